@@ -1,0 +1,122 @@
+// Communicator: collectives over one process group, on a real c10d engine.
+//
+// A Communicator is bound to a group of global ranks and to a device type.
+// CPU communicators use c10d's Gloo; CUDA communicators use NCCL unless
+// CommunicatorOptions::backend asks for Gloo (Gloo also moves CUDA tensors,
+// which is how several ranks share one GPU in tests, as NCCL cannot).
+// Communicators are made by World::new_group (world.h), collectively by the
+// members of the group.
+//
+// Size conventions (NCCL's): for a group of size N,
+//   all_gather_into_tensor:  output.numel() == N * input.numel(); rank r's
+//                            input lands at output[r*n : (r+1)*n] (rank-major);
+//   reduce_scatter_tensor:   input.numel() == N * output.numel(); rank r gets
+//                            the reduction of input[r*n : (r+1)*n].
+// Tensors must be contiguous, on the communicator's device type, and of the
+// same dtype as each other. In-place use is allowed where NCCL allows it:
+// the input of all_gather_into_tensor may be output's rank-r slice, and the
+// output of reduce_scatter_tensor may be input's rank-r slice.
+//
+// Streams: see work.h. Every method returns once the collective is enqueued.
+// A Communicator is not thread-safe: issue collectives from one thread, in the
+// same order on every member.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/DeviceType.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include "collectives/reduce_op.h"
+#include "collectives/work.h"
+
+namespace c10d {
+class Backend;
+}
+
+namespace fsdp::collectives {
+
+enum class BackendKind {
+  kAuto,  // Gloo for CPU, NCCL for CUDA
+  kGloo,
+  kNccl,
+};
+
+std::string to_string(BackendKind kind);
+
+struct CommunicatorOptions {
+  BackendKind backend = BackendKind::kAuto;
+  // Upper bound for any one collective; a peer that died or never joins
+  // makes the survivors fail after this long, never hang.
+  std::chrono::milliseconds timeout = std::chrono::minutes(5);
+  // For Gloo: the network interface to use (GLOO_SOCKET_IFNAME overrides);
+  // empty means the interface of the rendezvous host (loopback for local runs).
+  std::string gloo_interface;
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator();
+
+  // This rank's index in the group, in [0, size()).
+  int rank() const { return rank_; }
+  // Number of ranks in the group.
+  int size() const { return static_cast<int>(global_ranks_.size()); }
+  // Global ranks of the members, in group-rank order.
+  const std::vector<int>& global_ranks() const { return global_ranks_; }
+  c10::DeviceType device_type() const { return device_type_; }
+  BackendKind backend_kind() const { return backend_kind_; }
+  // A stable, human-readable name ("gloo[0,2]"), used in errors and logs.
+  const std::string& name() const { return name_; }
+
+  // REQUIRES: output.numel() == size() * input.numel(); both contiguous, same
+  // dtype, on device_type().
+  Work all_gather_into_tensor(const at::Tensor& output, const at::Tensor& input);
+
+  // REQUIRES: input.numel() == size() * output.numel(); both contiguous, same
+  // dtype, on device_type().
+  Work reduce_scatter_tensor(const at::Tensor& output, const at::Tensor& input, ReduceOp op);
+
+  // In place on `tensor`.
+  Work all_reduce(const at::Tensor& tensor, ReduceOp op);
+
+  // In place: the root's `tensor` is copied to every rank's `tensor`.
+  // REQUIRES: 0 <= root < size() (group rank).
+  Work broadcast(const at::Tensor& tensor, int root);
+
+  Work barrier();
+
+  // Several all-gathers (or reduce-scatters) as one call, each pair obeying
+  // the single-tensor conventions. NCCL runs them as one coalesced group;
+  // Gloo issues them back to back. One Work covers all of them.
+  Work all_gather_into_tensor_coalesced(const std::vector<at::Tensor>& outputs,
+                                        const std::vector<at::Tensor>& inputs);
+  Work reduce_scatter_tensor_coalesced(const std::vector<at::Tensor>& outputs,
+                                       const std::vector<at::Tensor>& inputs, ReduceOp op);
+
+  // The engine underneath, for what this interface does not cover.
+  const c10::intrusive_ptr<c10d::Backend>& backend() const { return backend_; }
+
+  // Internal: made by World::new_group.
+  Communicator(c10::intrusive_ptr<c10d::Backend> backend, BackendKind kind, c10::DeviceType device_type,
+               int rank, std::vector<int> global_ranks, CommunicatorOptions options);
+
+ private:
+  void check_tensor(const at::Tensor& t, const char* op, const char* arg) const;
+  // True when the engine computes `op` correctly for this collective itself.
+  bool native_op(const ReduceOp& op) const;
+
+  c10::intrusive_ptr<c10d::Backend> backend_;
+  BackendKind backend_kind_;
+  c10::DeviceType device_type_;
+  int rank_;
+  std::vector<int> global_ranks_;
+  CommunicatorOptions options_;
+  std::string name_;
+};
+
+}  // namespace fsdp::collectives

@@ -1,0 +1,71 @@
+// Work: the handle of an asynchronous collective.
+//
+// Every Communicator operation returns a Work as soon as the collective is
+// enqueued; library code never blocks the host right after issuing one.
+//
+// Stream contract on CUDA (NCCL): the collective is ordered after the work
+// already enqueued on the caller's current stream when the operation was
+// called. wait() makes the caller's *current* stream wait for the collective;
+// the host does not block. On CPU (Gloo) wait() blocks the host until the
+// result is in the output tensor.
+//
+// Outputs are only valid after wait(): some reductions finish with a scale
+// applied at wait time (see reduce_op.h).
+#pragma once
+
+#include <chrono>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include <c10/util/intrusive_ptr.h>
+
+namespace c10d {
+class Work;
+}
+
+namespace fsdp::collectives {
+
+class Work {
+ public:
+  // No timeout: wait as long as the communicator's own timeout allows.
+  static constexpr std::chrono::milliseconds kDefaultTimeout{0};
+
+  // An already-completed work (world size 1 fast paths, empty coalesced calls).
+  Work();
+  // Wraps a c10d work. `finish` runs once, after the collective completed and
+  // in the waiting thread (on its current stream on CUDA); used to apply the
+  // scale of AVG/PREMUL_SUM on backends that reduce with SUM only.
+  Work(c10::intrusive_ptr<c10d::Work> work, std::string description, std::function<void()> finish = {});
+  Work(Work&&) noexcept;
+  Work& operator=(Work&&) noexcept;
+  Work(const Work&) = delete;
+  Work& operator=(const Work&) = delete;
+  ~Work();
+
+  // Waits for the collective (see the stream contract above) and then runs
+  // the finishing step. Idempotent. Throws c10::Error naming the collective
+  // when it failed, a peer died, or `timeout` (when non-zero) passed.
+  void wait(std::chrono::milliseconds timeout = kDefaultTimeout);
+
+  // True when the collective has completed (successfully or not). Never blocks.
+  bool is_completed() const;
+
+  // The error of a failed collective, or nullptr.
+  std::exception_ptr exception() const;
+
+  // What this work does, e.g. "all_gather_into_tensor on gloo group [0,1,2]".
+  const std::string& description() const { return description_; }
+
+  // The underlying c10d work (null for already-completed works).
+  const c10::intrusive_ptr<c10d::Work>& c10d_work() const;
+
+ private:
+  c10::intrusive_ptr<c10d::Work> work_;
+  std::string description_;
+  std::function<void()> finish_;
+  bool waited_ = false;
+};
+
+}  // namespace fsdp::collectives

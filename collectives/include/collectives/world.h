@@ -1,0 +1,101 @@
+// World: the result of a rendezvous, and the factory of process groups.
+//
+// A World knows this process's global rank, the world size, its local rank
+// on the node, and a c10d Store shared by all ranks. It creates Communicators
+// for any subset of ranks.
+//
+//   auto world = fsdp::collectives::World::from_env();      // torchrun, srun
+//   auto comm = world->new_group(world->all_ranks(), c10::kCPU);
+//   comm->all_reduce(t, ReduceOp::sum()).wait();
+//
+// Rendezvous methods:
+//   env://   MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE (required) and
+//            LOCAL_RANK, LOCAL_WORLD_SIZE (optional) as torchrun, srun
+//            wrappers and Kubernetes launchers set them; rank 0 hosts a
+//            c10d TCPStore at MASTER_ADDR:MASTER_PORT.
+//   file://  a c10d FileStore at a path every rank can see (tests).
+// Every rendezvous waits until all ranks have checked in, and fails with an
+// error naming the rendezvous and the ranks that are missing after
+// `timeout`; it never hangs.
+#pragma once
+
+#include <chrono>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <c10/core/DeviceType.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include "collectives/communicator.h"
+
+namespace c10d {
+class Store;
+}
+
+namespace fsdp::collectives {
+
+struct RendezvousOptions {
+  // How long to wait for every rank to join the rendezvous.
+  std::chrono::milliseconds timeout = std::chrono::minutes(5);
+};
+
+class World {
+ public:
+  // env:// rendezvous. Throws c10::Error naming the missing or malformed
+  // variable, or the ranks that did not join within `options.timeout`.
+  static std::shared_ptr<World> from_env(const RendezvousOptions& options = {});
+
+  // file:// rendezvous through a FileStore at `path`. The file must not hold
+  // a previous run's keys (use a fresh path per run).
+  static std::shared_ptr<World> from_file(const std::string& path, int rank, int world_size,
+                                          const RendezvousOptions& options = {});
+
+  // Rendezvous over a store the caller made (TCPStore, FileStore, ...).
+  // `description` names the rendezvous in errors.
+  static std::shared_ptr<World> from_store(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size,
+                                           std::string description, const RendezvousOptions& options = {},
+                                           int local_rank = -1, int local_world_size = -1);
+
+  ~World();
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  // LOCAL_RANK / LOCAL_WORLD_SIZE, or rank / size when not given.
+  int local_rank() const { return local_rank_; }
+  int local_size() const { return local_size_; }
+  std::vector<int> all_ranks() const;
+  const c10::intrusive_ptr<c10d::Store>& store() const { return store_; }
+  const std::string& description() const { return description_; }
+
+  // Creates a communicator over `ranks` (global ranks, in group-rank order).
+  // Collective over the members of `ranks` only: every member calls it, in
+  // the same order relative to its other new_group calls with the same
+  // ranks; non-members do not call it. Throws when this rank is not in
+  // `ranks`, on duplicates or out-of-range ranks, or when `device_type` has
+  // no engine in this build (NCCL needs a CUDA build and a GPU).
+  std::shared_ptr<Communicator> new_group(const std::vector<int>& ranks, c10::DeviceType device_type,
+                                          const CommunicatorOptions& options = {});
+
+ private:
+  World(c10::intrusive_ptr<c10d::Store> store, int rank, int size, int local_rank, int local_size,
+        std::string description);
+
+  c10::intrusive_ptr<c10d::Store> store_;
+  int rank_;
+  int size_;
+  int local_rank_;
+  int local_size_;
+  std::string description_;
+  std::string master_addr_;
+  // How many groups with the same member list this process created; part of
+  // each group's store prefix so that two groups over the same ranks never
+  // share rendezvous keys. Members create groups in the same order, so the
+  // counts agree across ranks without communication.
+  std::mutex mutex_;
+  std::map<std::string, int> group_counts_;
+};
+
+}  // namespace fsdp::collectives

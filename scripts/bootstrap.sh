@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Sets up everything the build needs, idempotently, and says what it did.
+#   - Debian -dev packages (Abseil, spdlog+fmt, GoogleTest, gloo headers, ccache)
+#   - a project-local virtual env (.venv) with torch==2.11.0 from PyPI, which
+#     carries LibTorch, c10d and the NCCL that torch loads.
+# On a machine without package access that already has torch 2.11 (our GPU
+# machines), it uses that torch and installs nothing: set FSDP2CPP_PYTHON to
+# its python, or let the script find `python3` with torch importable.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+TORCH_VERSION=2.11.0
+VENV=.venv
+APT_PACKAGES=(cmake g++ make ccache libabsl-dev libspdlog-dev libfmt-dev libgtest-dev libgmock-dev libgloo-dev clang-format)
+
+say() { echo "bootstrap: $*"; }
+
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]} == 0)); then
+  say "Debian packages present"
+elif [[ "${FSDP2CPP_NO_APT:-0}" == 1 ]] || ! command -v apt-get >/dev/null; then
+  say "missing Debian packages (${missing[*]}) and no apt; the build may fail"
+else
+  SUDO=""
+  [[ $(id -u) == 0 ]] || SUDO="sudo"
+  say "installing ${missing[*]}"
+  if ! $SUDO apt-get install -y -qq "${missing[@]}" >/tmp/fsdp2cpp-apt.log 2>&1; then
+    say "apt-get install failed; refreshing the package lists and retrying"
+    $SUDO apt-get update -qq >>/tmp/fsdp2cpp-apt.log 2>&1
+    $SUDO DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >>/tmp/fsdp2cpp-apt.log 2>&1 ||
+      { cat /tmp/fsdp2cpp-apt.log; exit 1; }
+  fi
+fi
+
+has_torch() { "$1" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('$TORCH_VERSION') else 1)" 2>/dev/null; }
+
+if [[ -n "${FSDP2CPP_PYTHON:-}" ]]; then
+  has_torch "$FSDP2CPP_PYTHON" || { say "FSDP2CPP_PYTHON=$FSDP2CPP_PYTHON has no torch $TORCH_VERSION"; exit 1; }
+  say "using torch from $FSDP2CPP_PYTHON"
+elif [[ -x $VENV/bin/python ]] && has_torch $VENV/bin/python; then
+  say "virtual env $VENV has torch $TORCH_VERSION"
+elif [[ "${FSDP2CPP_NO_PIP:-0}" != 1 ]] && python3 -m venv --help >/dev/null 2>&1 &&
+     python3 -m pip download --help >/dev/null 2>&1; then
+  say "creating $VENV with torch==$TORCH_VERSION (first time: a few minutes)"
+  [[ -x $VENV/bin/python ]] || python3 -m venv $VENV
+  # pip's cache (~/.cache/pip) makes later fresh clones fast.
+  $VENV/bin/pip install -q "torch==$TORCH_VERSION" || {
+    if has_torch python3; then
+      say "pip failed; falling back to the system torch"; rm -rf $VENV
+    else
+      exit 1
+    fi
+  }
+elif has_torch python3; then
+  say "using the system python3's torch $TORCH_VERSION"
+else
+  say "no torch $TORCH_VERSION available and pip cannot install it"; exit 1
+fi
+say "done"
