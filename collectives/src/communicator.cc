@@ -1,1 +1,284 @@
-// placeholder
+#include "collectives/communicator.h"
+
+#include <utility>
+
+#include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+#include "multi_work.h"
+
+namespace fsdp::collectives {
+namespace {
+
+std::string join_ranks(const std::vector<int>& ranks) {
+  std::string out;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    if (i > 0) out += ",";
+    out += std::to_string(ranks[i]);
+  }
+  return out;
+}
+
+// The engine is told to SUM when it cannot compute `op` itself (see
+// reduce_op.h); the scale is applied to the outputs at wait time.
+c10d::ReduceOp to_c10d(const ReduceOp& op, bool native) {
+  switch (op.kind()) {
+    case ReduceOp::Kind::kSum: return c10d::ReduceOp::SUM;
+    case ReduceOp::Kind::kMax: return c10d::ReduceOp::MAX;
+    case ReduceOp::Kind::kMin: return c10d::ReduceOp::MIN;
+    case ReduceOp::Kind::kAvg:
+      if (native) return c10d::ReduceOp::AVG;
+      return c10d::ReduceOp::SUM;
+    case ReduceOp::Kind::kPremulSum:
+      if (native) return c10d::makeNCCLPreMulSum(op.factor());
+      return c10d::ReduceOp::SUM;
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown ReduceOp kind");
+}
+
+// The step that turns the SUM the engine computed into `op`'s result, or an
+// empty function when the engine computed `op` itself.
+std::function<void()> finish_step(const ReduceOp& op, bool native, int group_size, std::vector<at::Tensor> outputs) {
+  if (native) return {};
+  switch (op.kind()) {
+    case ReduceOp::Kind::kAvg:
+      // div_ rather than mul_(1/size): x/3 rounds once, x*(1/3) twice.
+      return [outputs = std::move(outputs), group_size] {
+        for (const auto& t : outputs) t.div_(group_size);
+      };
+    case ReduceOp::Kind::kPremulSum:
+      return [outputs = std::move(outputs), factor = op.factor()] {
+        for (const auto& t : outputs) t.mul_(factor);
+      };
+    default: return {};
+  }
+}
+
+// Calls into the engine; errors it raises while enqueueing (an unsupported
+// dtype, say) are rethrown naming the collective.
+template <typename F>
+c10::intrusive_ptr<c10d::Work> issue(const std::string& description, F&& enqueue) {
+  try {
+    return enqueue();
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "fsdp2cpp: ", description, " could not be issued: ", e.what_without_backtrace());
+  }
+}
+
+}  // namespace
+
+std::string to_string(BackendKind kind) {
+  switch (kind) {
+    case BackendKind::kAuto: return "auto";
+    case BackendKind::kGloo: return "gloo";
+    case BackendKind::kNccl: return "nccl";
+  }
+  return "unknown";
+}
+
+Communicator::Communicator(c10::intrusive_ptr<c10d::Backend> backend, BackendKind kind, c10::DeviceType device_type,
+                           int rank, std::vector<int> global_ranks, CommunicatorOptions options)
+    : backend_(std::move(backend)),
+      backend_kind_(kind),
+      device_type_(device_type),
+      rank_(rank),
+      global_ranks_(std::move(global_ranks)),
+      options_(std::move(options)),
+      name_(to_string(kind) + "[" + join_ranks(global_ranks_) + "]") {
+  TORCH_INTERNAL_ASSERT(backend_, "Communicator needs a backend");
+  TORCH_INTERNAL_ASSERT(kind != BackendKind::kAuto, "Communicator needs a resolved backend kind");
+}
+
+Communicator::~Communicator() = default;
+
+void Communicator::check_tensor(const at::Tensor& t, const char* op, const char* arg) const {
+  TORCH_CHECK(t.defined(), "fsdp2cpp: ", op, " on ", name_, ": `", arg,
+              "` is an undefined tensor; pass an allocated tensor");
+  TORCH_CHECK(t.device().type() == device_type_, "fsdp2cpp: ", op, " on ", name_, ": `", arg, "` is on device ",
+              t.device(), ", expected a ", c10::DeviceTypeName(device_type_, /*lower_case=*/true),
+              " tensor (this communicator's device type); move the tensor there, or use a communicator made for ",
+              c10::DeviceTypeName(t.device().type(), /*lower_case=*/true));
+  TORCH_CHECK(t.layout() == c10::kStrided, "fsdp2cpp: ", op, " on ", name_, ": `", arg, "` has layout ", t.layout(),
+              ", expected a dense (strided) tensor");
+  TORCH_CHECK(t.is_contiguous(), "fsdp2cpp: ", op, " on ", name_, ": `", arg, "` is not contiguous (sizes ", t.sizes(),
+              ", strides ", t.strides(),
+              "); pass a contiguous tensor (.contiguous()) and copy the result back after wait()");
+}
+
+bool Communicator::native_op(const ReduceOp& op) const {
+  if (backend_kind_ == BackendKind::kNccl) return true;
+  // Gloo: no PREMUL_SUM at all, and AVG on reduce-scatter is not dependable
+  // across versions (pytorch/pytorch#162338).
+  return op.kind() == ReduceOp::Kind::kSum || op.kind() == ReduceOp::Kind::kMax || op.kind() == ReduceOp::Kind::kMin;
+}
+
+namespace {
+
+void check_same_dtype(const at::Tensor& a, const char* a_name, const at::Tensor& b, const char* b_name, const char* op,
+                      const std::string& name) {
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(), "fsdp2cpp: ", op, " on ", name, ": `", a_name, "` has dtype ",
+              a.scalar_type(), " but `", b_name, "` has dtype ", b.scalar_type(),
+              "; both must have the same dtype (convert one with .to(dtype))");
+}
+
+void check_reducible(const at::Tensor& t, const ReduceOp& op, const char* op_name, const std::string& name) {
+  const bool scaled = op.kind() == ReduceOp::Kind::kAvg || op.kind() == ReduceOp::Kind::kPremulSum;
+  // An integer average would have to pick a rounding, and backends disagree
+  // (NCCL truncates, a post-division floors or truncates by dtype): refuse
+  // rather than differ between CPU and GPU.
+  TORCH_CHECK(!scaled || at::isFloatingType(t.scalar_type()) || at::isComplexType(t.scalar_type()),
+              "fsdp2cpp: ", op_name, " on ", name, ": ", op.to_string(), " needs a floating-point tensor, got dtype ",
+              t.scalar_type(), "; reduce integers with SUM and divide with the rounding you want");
+}
+
+}  // namespace
+
+Work Communicator::all_gather_into_tensor(const at::Tensor& output, const at::Tensor& input) {
+  constexpr const char* kOp = "all_gather_into_tensor";
+  check_tensor(output, kOp, "output");
+  check_tensor(input, kOp, "input");
+  check_same_dtype(output, "output", input, "input", kOp, name_);
+  TORCH_CHECK(output.numel() == size() * input.numel(), "fsdp2cpp: ", kOp, " on ", name_, ": `output` has ",
+              output.numel(), " elements, expected size() * input.numel() = ", size(), " * ", input.numel(), " = ",
+              size() * input.numel(), "; allocate the output as group size times the input");
+  std::string description = c10::str(kOp, " on ", name_);
+  at::Tensor out = output;
+  at::Tensor in = input;
+  auto work = issue(description, [&] { return backend_->_allgather_base(out, in); });
+  return Work(std::move(work), std::move(description));
+}
+
+Work Communicator::reduce_scatter_tensor(const at::Tensor& output, const at::Tensor& input, ReduceOp op) {
+  constexpr const char* kOp = "reduce_scatter_tensor";
+  check_tensor(output, kOp, "output");
+  check_tensor(input, kOp, "input");
+  check_same_dtype(output, "output", input, "input", kOp, name_);
+  TORCH_CHECK(input.numel() == size() * output.numel(), "fsdp2cpp: ", kOp, " on ", name_, ": `input` has ",
+              input.numel(), " elements, expected size() * output.numel() = ", size(), " * ", output.numel(), " = ",
+              size() * output.numel(), "; pad the input to group size times the output");
+  check_reducible(input, op, kOp, name_);
+  const bool native = native_op(op);
+  std::string description = c10::str(kOp, "(", op.to_string(), ") on ", name_);
+  c10d::ReduceScatterOptions opts;
+  opts.reduceOp = to_c10d(op, native);
+  at::Tensor out = output;
+  at::Tensor in = input;
+  auto work = issue(description, [&] { return backend_->_reduce_scatter_base(out, in, opts); });
+  return Work(std::move(work), std::move(description), finish_step(op, native, size(), {output}));
+}
+
+Work Communicator::all_reduce(const at::Tensor& tensor, ReduceOp op) {
+  constexpr const char* kOp = "all_reduce";
+  check_tensor(tensor, kOp, "tensor");
+  check_reducible(tensor, op, kOp, name_);
+  const bool native = native_op(op);
+  std::string description = c10::str(kOp, "(", op.to_string(), ") on ", name_);
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = to_c10d(op, native);
+  std::vector<at::Tensor> tensors{tensor};
+  auto work = issue(description, [&] { return backend_->allreduce(tensors, opts); });
+  return Work(std::move(work), std::move(description), finish_step(op, native, size(), {tensor}));
+}
+
+Work Communicator::broadcast(const at::Tensor& tensor, int root) {
+  constexpr const char* kOp = "broadcast";
+  check_tensor(tensor, kOp, "tensor");
+  TORCH_CHECK(root >= 0 && root < size(), "fsdp2cpp: ", kOp, " on ", name_, ": root ", root,
+              " is not a group rank (expected 0 <= root < ", size(),
+              "); pass the root's rank in this group, not its global rank");
+  std::string description = c10::str(kOp, "(root ", root, ") on ", name_);
+  c10d::BroadcastOptions opts;
+  opts.rootRank = root;
+  std::vector<at::Tensor> tensors{tensor};
+  auto work = issue(description, [&] { return backend_->broadcast(tensors, opts); });
+  return Work(std::move(work), std::move(description));
+}
+
+Work Communicator::barrier() {
+  std::string description = c10::str("barrier on ", name_);
+  auto work = issue(description, [&] { return backend_->barrier(); });
+  return Work(std::move(work), std::move(description));
+}
+
+namespace {
+
+void check_list_sizes(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs, const char* op,
+                      const std::string& name) {
+  TORCH_CHECK(outputs.size() == inputs.size(), "fsdp2cpp: ", op, " on ", name, ": ", outputs.size(), " outputs but ",
+              inputs.size(), " inputs; pass one output per input");
+}
+
+}  // namespace
+
+Work Communicator::all_gather_into_tensor_coalesced(const std::vector<at::Tensor>& outputs,
+                                                    const std::vector<at::Tensor>& inputs) {
+  constexpr const char* kOp = "all_gather_into_tensor_coalesced";
+  check_list_sizes(outputs, inputs, kOp, name_);
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const std::string out_name = c10::str("outputs[", i, "]");
+    const std::string in_name = c10::str("inputs[", i, "]");
+    check_tensor(outputs[i], kOp, out_name.c_str());
+    check_tensor(inputs[i], kOp, in_name.c_str());
+    check_same_dtype(outputs[i], out_name.c_str(), inputs[i], in_name.c_str(), kOp, name_);
+    TORCH_CHECK(outputs[i].numel() == size() * inputs[i].numel(), "fsdp2cpp: ", kOp, " on ", name_, ": `", out_name,
+                "` has ", outputs[i].numel(), " elements, expected size() * ", in_name, ".numel() = ", size(), " * ",
+                inputs[i].numel(), " = ", size() * inputs[i].numel(),
+                "; allocate each output as group size times its input");
+  }
+  if (inputs.empty()) return Work();
+  std::string description = c10::str(kOp, " (", inputs.size(), " tensors) on ", name_);
+  std::vector<at::Tensor> outs = outputs;
+  std::vector<at::Tensor> ins = inputs;
+  if (backend_kind_ == BackendKind::kNccl) {
+    auto work = issue(description, [&] { return backend_->allgather_into_tensor_coalesced(outs, ins); });
+    return Work(std::move(work), std::move(description));
+  }
+  // Gloo runs each collective on its own; back to back is what coalescing
+  // would do there anyway.
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  works.reserve(ins.size());
+  for (size_t i = 0; i < ins.size(); ++i) {
+    works.push_back(issue(description, [&] { return backend_->_allgather_base(outs[i], ins[i]); }));
+  }
+  return Work(c10::make_intrusive<detail::MultiWork>(std::move(works)), std::move(description));
+}
+
+Work Communicator::reduce_scatter_tensor_coalesced(const std::vector<at::Tensor>& outputs,
+                                                   const std::vector<at::Tensor>& inputs, ReduceOp op) {
+  constexpr const char* kOp = "reduce_scatter_tensor_coalesced";
+  check_list_sizes(outputs, inputs, kOp, name_);
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const std::string out_name = c10::str("outputs[", i, "]");
+    const std::string in_name = c10::str("inputs[", i, "]");
+    check_tensor(outputs[i], kOp, out_name.c_str());
+    check_tensor(inputs[i], kOp, in_name.c_str());
+    check_same_dtype(outputs[i], out_name.c_str(), inputs[i], in_name.c_str(), kOp, name_);
+    TORCH_CHECK(inputs[i].numel() == size() * outputs[i].numel(), "fsdp2cpp: ", kOp, " on ", name_, ": `", in_name,
+                "` has ", inputs[i].numel(), " elements, expected size() * ", out_name, ".numel() = ", size(), " * ",
+                outputs[i].numel(), " = ", size() * outputs[i].numel(),
+                "; pad each input to group size times its output");
+    check_reducible(inputs[i], op, kOp, name_);
+  }
+  if (inputs.empty()) return Work();
+  const bool native = native_op(op);
+  std::string description = c10::str(kOp, "(", op.to_string(), ", ", inputs.size(), " tensors) on ", name_);
+  c10d::ReduceScatterOptions opts;
+  opts.reduceOp = to_c10d(op, native);
+  std::vector<at::Tensor> outs = outputs;
+  std::vector<at::Tensor> ins = inputs;
+  auto finish = finish_step(op, native, size(), outputs);
+  if (backend_kind_ == BackendKind::kNccl) {
+    auto work = issue(description, [&] { return backend_->reduce_scatter_tensor_coalesced(outs, ins, opts); });
+    return Work(std::move(work), std::move(description), std::move(finish));
+  }
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  works.reserve(ins.size());
+  for (size_t i = 0; i < ins.size(); ++i) {
+    works.push_back(issue(description, [&] { return backend_->_reduce_scatter_base(outs[i], ins[i], opts); }));
+  }
+  return Work(c10::make_intrusive<detail::MultiWork>(std::move(works)), std::move(description), std::move(finish));
+}
+
+}  // namespace fsdp::collectives

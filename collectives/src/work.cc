@@ -1,1 +1,116 @@
-// placeholder
+#include "collectives/work.h"
+
+#include <algorithm>
+#include <utility>
+
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include "multi_work.h"
+
+namespace fsdp::collectives {
+namespace {
+
+std::string cause_of(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "unknown error";
+  }
+}
+
+// The engines' own errors ("Connection reset by peer", "Operation timed out!")
+// do not say which collective of which group failed; ours do.
+[[noreturn]] void throw_failure(const std::string& description, const std::exception_ptr& error) {
+  TORCH_CHECK(false, "fsdp2cpp: ", description, " failed: ", cause_of(error),
+              ". A peer that exited, crashed or stopped issuing the same collectives makes the others fail; "
+              "check the logs of the other ranks of the group.");
+}
+
+std::exception_ptr as_described(const std::string& description, const std::exception_ptr& error) {
+  try {
+    throw_failure(description, error);
+  } catch (...) {
+    return std::current_exception();
+  }
+}
+
+}  // namespace
+
+Work::Work() = default;
+
+Work::Work(c10::intrusive_ptr<c10d::Work> work, std::string description, std::function<void()> finish)
+    : work_(std::move(work)), description_(std::move(description)), finish_(std::move(finish)) {}
+
+Work::Work(Work&&) noexcept = default;
+Work& Work::operator=(Work&&) noexcept = default;
+Work::~Work() = default;
+
+void Work::wait(std::chrono::milliseconds timeout) {
+  if (waited_) return;
+  if (work_) {
+    try {
+      work_->wait(timeout);
+    } catch (...) {
+      throw_failure(description_, std::current_exception());
+    }
+  }
+  // Marked before running `finish_` so that a failing finish step (it should
+  // not fail) is never applied twice.
+  waited_ = true;
+  if (finish_) finish_();
+}
+
+bool Work::is_completed() const { return !work_ || work_->isCompleted(); }
+
+std::exception_ptr Work::exception() const {
+  if (!work_ || !work_->isCompleted()) return nullptr;
+  std::exception_ptr error = work_->exception();
+  return error ? as_described(description_, error) : nullptr;
+}
+
+const c10::intrusive_ptr<c10d::Work>& Work::c10d_work() const { return work_; }
+
+namespace detail {
+
+MultiWork::MultiWork(std::vector<c10::intrusive_ptr<c10d::Work>> works)
+    : c10d::Work(/*rank=*/-1, c10d::OpType::COALESCED), works_(std::move(works)) {}
+
+bool MultiWork::isCompleted() {
+  return std::all_of(works_.begin(), works_.end(), [](const auto& w) { return w->isCompleted(); });
+}
+
+bool MultiWork::isSuccess() const { return exception() == nullptr; }
+
+std::exception_ptr MultiWork::exception() const {
+  for (const auto& w : works_) {
+    if (auto error = w->exception()) return error;
+  }
+  return nullptr;
+}
+
+bool MultiWork::wait(std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (const auto& w : works_) {
+    auto remaining = kNoTimeout;
+    if (timeout != kNoTimeout) {
+      // At least 1 ms: 0 would mean "no timeout" to the part.
+      remaining =
+          std::max(std::chrono::milliseconds(1),
+                   std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()));
+    }
+    w->wait(remaining);
+  }
+  return true;
+}
+
+void MultiWork::synchronize() {
+  for (const auto& w : works_) w->synchronize();
+}
+
+}  // namespace detail
+}  // namespace fsdp::collectives

@@ -1,1 +1,274 @@
-// placeholder
+#include "collectives/world.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <climits>
+#include <cstdlib>
+#include <set>
+#include <utility>
+
+#include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include "backends.h"
+#include "fsdp_common/logging.h"
+
+namespace fsdp::collectives {
+namespace {
+
+constexpr const char* kLauncherHint =
+    "torchrun sets MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE (and LOCAL_RANK, LOCAL_WORLD_SIZE); "
+    "set them yourself when launching otherwise";
+
+std::string cause_of(const std::exception& e) {
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) return c10_error->what_without_backtrace();
+  return e.what();
+}
+
+// Parses an integer variable in [min, max]; nullopt when unset and optional.
+std::optional<int> env_int(const char* name, bool required, int min, int max) {
+  const char* value = std::getenv(name);
+  if (value == nullptr || *value == '\0') {
+    TORCH_CHECK(!required, "fsdp2cpp: env:// rendezvous: environment variable ", name, " is not set; ", kLauncherHint);
+    return std::nullopt;
+  }
+  errno = 0;
+  char* end = nullptr;
+  const long parsed = std::strtol(value, &end, 10);
+  TORCH_CHECK(errno == 0 && end != value && *end == '\0' && parsed >= min && parsed <= max,
+              "fsdp2cpp: env:// rendezvous: environment variable ", name, "='", value, "' is not an integer in [", min,
+              ", ", max, "]; ", kLauncherHint);
+  return static_cast<int>(parsed);
+}
+
+std::string rank_key(int rank) { return "fsdp2cpp/rdzv/rank/" + std::to_string(rank); }
+
+std::string join_ranks(const std::vector<int>& ranks) {
+  std::string out;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    if (i > 0) out += ",";
+    out += std::to_string(ranks[i]);
+  }
+  return out;
+}
+
+// The keys in `keys` that the store does not hold; empty when the store
+// itself cannot be asked (it is gone).
+std::vector<int> missing_of(const c10::intrusive_ptr<c10d::Store>& store, const std::vector<std::string>& keys,
+                            const std::vector<int>& ranks) {
+  std::vector<int> missing;
+  try {
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (!store->check({keys[i]})) missing.push_back(ranks[i]);
+    }
+  } catch (const std::exception&) {
+    return {};
+  }
+  return missing;
+}
+
+bool is_loopback(const std::string& addr) {
+  return addr.empty() || addr == "localhost" || addr == "::1" || addr.rfind("127.", 0) == 0;
+}
+
+}  // namespace
+
+World::World(c10::intrusive_ptr<c10d::Store> store, int rank, int size, int local_rank, int local_size,
+             std::string description)
+    : store_(std::move(store)),
+      rank_(rank),
+      size_(size),
+      local_rank_(local_rank),
+      local_size_(local_size),
+      description_(std::move(description)) {
+  if (const char* addr = std::getenv("MASTER_ADDR")) master_addr_ = addr;
+}
+
+World::~World() = default;
+
+std::shared_ptr<World> World::from_env(const RendezvousOptions& options) {
+  const char* addr = std::getenv("MASTER_ADDR");
+  TORCH_CHECK(addr != nullptr && *addr != '\0',
+              "fsdp2cpp: env:// rendezvous: environment variable MASTER_ADDR is not set; ", kLauncherHint);
+  const int port = *env_int("MASTER_PORT", /*required=*/true, 1, 65535);
+  const int world_size = *env_int("WORLD_SIZE", /*required=*/true, 1, INT_MAX);
+  const int rank = *env_int("RANK", /*required=*/true, 0, world_size - 1);
+  const std::optional<int> local_world_size = env_int("LOCAL_WORLD_SIZE", /*required=*/false, 1, world_size);
+  const std::optional<int> local_rank =
+      env_int("LOCAL_RANK", /*required=*/false, 0, local_world_size.value_or(world_size) - 1);
+  const std::string host = addr;
+  const std::string description = c10::str("env://", host, ":", port);
+
+  // Under torchrun the elastic agent already hosts a TCPStore at
+  // MASTER_ADDR:MASTER_PORT and says so with TORCHELASTIC_USE_AGENT_STORE:
+  // then every rank is a client and keys live under the restart attempt's
+  // prefix, exactly as torch.distributed's env:// rendezvous does.
+  const char* agent_store = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
+  const bool use_agent_store = agent_store != nullptr && std::string(agent_store) == "True";
+  c10d::TCPStoreOptions store_options;
+  store_options.port = static_cast<std::uint16_t>(port);
+  store_options.isServer = rank == 0 && !use_agent_store;
+  store_options.numWorkers = world_size;
+  // Our own check-in below waits for the workers and names the missing ones.
+  store_options.waitWorkers = false;
+  store_options.timeout = options.timeout;
+  store_options.multiTenant = true;
+  c10::intrusive_ptr<c10d::Store> store;
+  try {
+    store = c10::make_intrusive<c10d::TCPStore>(host, store_options);
+  } catch (const std::exception& e) {
+    if (store_options.isServer) {
+      TORCH_CHECK(false, "fsdp2cpp: rendezvous ", description, ": rank 0 could not host the store at ", host, ":", port,
+                  ": ", cause_of(e), ". Is the port in use, or MASTER_ADDR not an address of this host?");
+    }
+    TORCH_CHECK(false, "fsdp2cpp: rendezvous ", description, " timed out: rank ", rank, " could not reach the store ",
+                use_agent_store ? "of the torchrun agent" : "of rank 0", " at ", host, ":", port, " within ",
+                options.timeout.count(), " ms: ", cause_of(e),
+                ". Check that rank 0 was started and that every rank has the same MASTER_ADDR and MASTER_PORT");
+  }
+  if (use_agent_store) {
+    const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
+    store = c10::make_intrusive<c10d::PrefixStore>(
+        c10::str("/worker/attempt_", attempt != nullptr && *attempt != '\0' ? attempt : "0"), store);
+  }
+  auto world = from_store(std::move(store), rank, world_size, description, options, local_rank.value_or(-1),
+                          local_world_size.value_or(-1));
+  world->master_addr_ = host;
+  return world;
+}
+
+std::shared_ptr<World> World::from_file(const std::string& path, int rank, int world_size,
+                                        const RendezvousOptions& options) {
+  TORCH_CHECK(world_size >= 1, "fsdp2cpp: file://", path, " rendezvous: world_size ", world_size,
+              " must be at least 1");
+  TORCH_CHECK(!path.empty(), "fsdp2cpp: file:// rendezvous needs a path every rank can see");
+  auto store = c10::make_intrusive<c10d::FileStore>(path, world_size);
+  return from_store(std::move(store), rank, world_size, "file://" + path, options);
+}
+
+std::shared_ptr<World> World::from_store(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size,
+                                         std::string description, const RendezvousOptions& options, int local_rank,
+                                         int local_world_size) {
+  TORCH_CHECK(store, "fsdp2cpp: rendezvous ", description, ": the store is null");
+  TORCH_CHECK(world_size >= 1, "fsdp2cpp: rendezvous ", description, ": world size ", world_size,
+              " must be at least 1");
+  TORCH_CHECK(rank >= 0 && rank < world_size, "fsdp2cpp: rendezvous ", description, ": rank ", rank,
+              " is out of range for world size ", world_size, " (expected 0 <= rank < world size)");
+  set_log_rank(rank);
+
+  std::vector<std::string> keys;
+  std::vector<int> ranks;
+  for (int r = 0; r < world_size; ++r) {
+    keys.push_back(rank_key(r));
+    ranks.push_back(r);
+  }
+  const std::string value = std::to_string(rank);
+  try {
+    store->set(keys[rank], std::vector<uint8_t>(value.begin(), value.end()));
+    store->wait(keys, options.timeout);
+  } catch (const std::exception& e) {
+    const std::vector<int> missing = missing_of(store, keys, ranks);
+    TORCH_CHECK(!missing.empty(), "fsdp2cpp: rendezvous ", description, " failed on rank ", rank, " of ", world_size,
+                ": ", cause_of(e));
+    TORCH_CHECK(false, "fsdp2cpp: rendezvous ", description, " timed out after ", options.timeout.count(),
+                " ms on rank ", rank, " of ", world_size, ": missing rank(s) [", join_ranks(missing),
+                "] never joined. Start every rank with the same rendezvous and world size, "
+                "or raise RendezvousOptions::timeout if they start slowly");
+  }
+  FSDP2CPP_LOG_INFO(c10::str("rendezvous ", description, ": all ", world_size, " ranks joined"));
+
+  auto world =
+      std::shared_ptr<World>(new World(std::move(store), rank, world_size, local_rank >= 0 ? local_rank : rank,
+                                       local_world_size >= 1 ? local_world_size : world_size, std::move(description)));
+  return world;
+}
+
+std::vector<int> World::all_ranks() const {
+  std::vector<int> ranks(size_);
+  for (int r = 0; r < size_; ++r) ranks[r] = r;
+  return ranks;
+}
+
+std::shared_ptr<Communicator> World::new_group(const std::vector<int>& ranks, c10::DeviceType device_type,
+                                               const CommunicatorOptions& options) {
+  const std::string members = join_ranks(ranks);
+  TORCH_CHECK(!ranks.empty(), "fsdp2cpp: new_group on ", description_, ": the member list is empty");
+  std::set<int> seen;
+  for (int r : ranks) {
+    TORCH_CHECK(r >= 0 && r < size_, "fsdp2cpp: new_group([", members, "]) on ", description_, ": rank ", r,
+                " is out of range for world size ", size_, "; members are global ranks in [0, ", size_, ")");
+    TORCH_CHECK(seen.insert(r).second, "fsdp2cpp: new_group([", members, "]) on ", description_, ": rank ", r,
+                " is listed twice; each member must appear once");
+  }
+  const auto self = std::find(ranks.begin(), ranks.end(), rank_);
+  TORCH_CHECK(self != ranks.end(), "fsdp2cpp: new_group([", members, "]) on ", description_, ": this rank (", rank_,
+              ") is not a member; only the members of a group call new_group for it");
+  const int group_rank = static_cast<int>(self - ranks.begin());
+  TORCH_CHECK(device_type == c10::kCPU || device_type == c10::kCUDA, "fsdp2cpp: new_group([", members,
+              "]): device type ", c10::DeviceTypeName(device_type, true), " has no collective engine; use cpu or cuda");
+
+  BackendKind kind = options.backend;
+  if (kind == BackendKind::kAuto) kind = device_type == c10::kCUDA ? BackendKind::kNccl : BackendKind::kGloo;
+  if (kind == BackendKind::kNccl) {
+    TORCH_CHECK(device_type == c10::kCUDA, "fsdp2cpp: new_group([", members,
+                "]): NCCL moves CUDA tensors only, but device type cpu was asked for; use BackendKind::kGloo "
+                "(or kAuto) for CPU communicators");
+    TORCH_CHECK(detail::nccl_compiled(), "fsdp2cpp: new_group([", members,
+                "]): this build has no NCCL (built without CUDA); rebuild with CUDA, or pass "
+                "CommunicatorOptions::backend = BackendKind::kGloo to move CUDA tensors with Gloo");
+  }
+
+  int index = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    index = group_counts_[members]++;
+  }
+  const std::string prefix = c10::str("fsdp2cpp/group/", members, "/", index);
+  auto group_store = c10::make_intrusive<c10d::PrefixStore>(prefix, store_);
+  const std::string name = c10::str(to_string(kind), "[", members, "]");
+
+  // Our own check-in, so that a group whose member never came names it.
+  const std::string joined_prefix = "joined/";
+  group_store->set(joined_prefix + std::to_string(group_rank), std::vector<uint8_t>{1});
+
+  c10::intrusive_ptr<c10d::Backend> backend;
+  try {
+    if (kind == BackendKind::kNccl) {
+      backend = detail::make_nccl_backend(group_store, group_rank, static_cast<int>(ranks.size()), options.timeout);
+    } else {
+      std::string host;
+      bool is_interface = false;
+      const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
+      if (ifname != nullptr && *ifname != '\0') {
+        host = ifname;
+        is_interface = true;
+      } else if (!options.gloo_interface.empty()) {
+        host = options.gloo_interface;
+        is_interface = true;
+      } else if (is_loopback(master_addr_)) {
+        // Local runs (and file://): every rank is on this host, and the
+        // default device would resolve the host name, which in containers
+        // may not be reachable.
+        host = "127.0.0.1";
+      }  // else: gloo's default device (the address the host name resolves to)
+      backend = detail::make_gloo_backend(group_store, group_rank, static_cast<int>(ranks.size()), options.timeout,
+                                          host, is_interface);
+    }
+  } catch (const std::exception& e) {
+    std::vector<std::string> keys;
+    for (size_t i = 0; i < ranks.size(); ++i) keys.push_back(joined_prefix + std::to_string(i));
+    const std::vector<int> missing = missing_of(group_store, keys, ranks);
+    TORCH_CHECK(false, "fsdp2cpp: new_group: creating ", name, " on ", description_, " failed on rank ", rank_,
+                missing.empty()
+                    ? std::string()
+                    : c10::str(" (member rank(s) [", join_ranks(missing), "] never called new_group for it)"),
+                ": ", cause_of(e));
+  }
+  FSDP2CPP_LOG_DEBUG(c10::str("new_group ", name, " (#", index, " over these ranks), group rank ", group_rank));
+  return std::make_shared<Communicator>(std::move(backend), kind, device_type, group_rank, ranks, options);
+}
+
+}  // namespace fsdp::collectives

@@ -1,1 +1,492 @@
-// placeholder
+// The multi-process GoogleTest harness: the parent side starts one copy of
+// the test binary per rank and collects how each ended; the rank side runs
+// the test body with a World made from a FileStore rendezvous.
+#include "fsdp_testing/distributed_test.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <stdexcept>
+#include <thread>
+
+#include <ATen/Context.h>
+#include <ATen/Parallel.h>
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/util/Exception.h>
+#include <gtest/gtest.h>
+
+extern char** environ;
+
+namespace fsdp::testing {
+
+namespace {
+
+constexpr const char* kRankVar = "FSDP2CPP_TEST_RANK";
+constexpr const char* kWorldSizeVar = "FSDP2CPP_TEST_WORLD_SIZE";
+constexpr const char* kStoreVar = "FSDP2CPP_TEST_STORE";
+constexpr const char* kNameVar = "FSDP2CPP_TEST_NAME";
+constexpr const char* kCallVar = "FSDP2CPP_TEST_CALL";
+constexpr const char* kParentVar = "FSDP2CPP_TEST_PARENT_PID";
+constexpr size_t kOutputTail = 8 * 1024;
+constexpr std::chrono::milliseconds kPollInterval{20};
+
+// The current test and the index of this run_distributed call within it.
+struct CallId {
+  std::string test_name;
+  int index = 0;
+};
+
+CallId next_call() {
+  const ::testing::TestInfo* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  if (info == nullptr) {
+    throw std::logic_error("fsdp::testing::run_distributed must be called from inside a GoogleTest test body");
+  }
+  CallId id;
+  id.test_name = std::string(info->test_suite_name()) + "." + info->name();
+  // Keyed by the start time as well, so that --gtest_repeat starts again at 0.
+  const std::string key = id.test_name + "@" + std::to_string(info->result()->start_timestamp());
+  static std::mutex mutex;
+  static std::map<std::string, int> counts;
+  std::lock_guard<std::mutex> lock(mutex);
+  id.index = counts[key]++;
+  return id;
+}
+
+std::string env_or_empty(const char* name) {
+  const char* value = std::getenv(name);
+  return value ? value : "";
+}
+
+std::string signal_name(int sig) {
+  std::ostringstream out;
+  out << sig;
+  const char* abbrev = sigabbrev_np(sig);
+  const char* text = strsignal(sig);
+  if (abbrev) {
+    out << " (SIG" << abbrev;
+    if (text) out << ": " << text;
+    out << ")";
+  }
+  return out.str();
+}
+
+std::string seconds_string(double seconds) {
+  std::ostringstream out;
+  out << std::fixed << std::setprecision(1) << seconds << "s";
+  return out.str();
+}
+
+std::string marker_path(const std::string& dir, int rank, int call) {
+  return dir + "/rank-" + std::to_string(rank) + "-call-" + std::to_string(call) + ".ran";
+}
+
+// [Note: no std::filesystem] The torch wheel's libtorch.so exports its own
+// copy of std::filesystem, and calls from here bind to it and crash; the
+// harness uses POSIX calls instead.
+bool file_exists(const std::string& path) {
+  struct stat st;
+  return ::stat(path.c_str(), &st) == 0;
+}
+
+// Removes a flat directory (the harness creates no subdirectories).
+void remove_dir(const std::string& dir) {
+  if (DIR* d = ::opendir(dir.c_str())) {
+    while (const dirent* entry = ::readdir(d)) {
+      const std::string name = entry->d_name;
+      if (name != "." && name != "..") ::unlink((dir + "/" + name).c_str());
+    }
+    ::closedir(d);
+  }
+  ::rmdir(dir.c_str());
+}
+
+std::string parent_dir(const std::string& path) {
+  const size_t slash = path.rfind('/');
+  return slash == std::string::npos ? "." : path.substr(0, slash);
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream out;
+  out << in.rdbuf();
+  return out.str();
+}
+
+std::string tail(const std::string& text, size_t bytes) {
+  if (text.size() <= bytes) return text;
+  return "[... " + std::to_string(text.size() - bytes) + " bytes omitted ...]\n" + text.substr(text.size() - bytes);
+}
+
+std::string exception_text(std::exception_ptr error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "an exception of unknown type";
+  }
+}
+
+// ---- rank side --------------------------------------------------------------
+
+void run_as_rank(const DistributedTestOptions& options, const RankBody& body, const CallId& call) {
+  // Rank output goes to a file: keep it line-buffered so that a crash loses
+  // as little of it as possible.
+  std::fflush(stdout);
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
+  // Die with the harness (for instance when CTest kills it at its timeout).
+  prctl(PR_SET_PDEATHSIG, SIGKILL);
+  const std::string parent = env_or_empty(kParentVar);
+  if (!parent.empty() && std::to_string(getppid()) != parent) std::_Exit(3);
+
+  const int rank = std::stoi(env_or_empty(kRankVar));
+  const int world_size = std::stoi(env_or_empty(kWorldSizeVar));
+  const std::string store = env_or_empty(kStoreVar);
+  std::cerr << "fsdp2cpp: rank " << rank << " of " << world_size << " running " << call.test_name << " (call "
+            << call.index << ")" << std::endl;
+  {
+    // The parent only trusts a zero exit code from a rank that got here.
+    std::ofstream marker(marker_path(parent_dir(store), rank, call.index));
+  }
+  if (world_size != options.world_size) {
+    ADD_FAILURE() << "rank " << rank << ": the harness started " << world_size
+                  << " ranks but this run_distributed call asks for " << options.world_size;
+    return;
+  }
+
+  at::set_num_threads(1);
+  try {
+    at::set_num_interop_threads(1);
+  } catch (const std::exception&) {
+    // Already started: the default pool is then used.
+  }
+
+  std::unique_ptr<RankContext> ctx;
+  try {
+    if (options.device_type == c10::kCUDA) {
+      const int count = cuda_device_count();
+      if (count == 0) {
+        ADD_FAILURE() << "rank " << rank << ": a CUDA run needs a GPU, but none is visible; call "
+                      << "FSDP2CPP_SKIP_WITHOUT_CUDA() at the top of the test";
+        return;
+      }
+    }
+    collectives::RendezvousOptions rendezvous;
+    rendezvous.timeout = std::chrono::duration_cast<std::chrono::milliseconds>(options.timeout);
+    auto world = collectives::World::from_file(store, rank, world_size, rendezvous);
+    ctx = std::make_unique<RankContext>(std::move(world), options);
+    if (options.device_type == c10::kCUDA) {
+      c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(ctx->device());
+    }
+  } catch (...) {
+    ADD_FAILURE() << "rank " << rank << ": setting up the rank failed: " << exception_text(std::current_exception());
+    return;
+  }
+  try {
+    body(*ctx);
+  } catch (...) {
+    ADD_FAILURE() << "rank " << rank << ": the test body threw: " << exception_text(std::current_exception());
+  }
+  // Communicators and the World are torn down here, before the test ends.
+  try {
+    ctx.reset();
+  } catch (...) {
+    ADD_FAILURE() << "rank " << rank << ": tearing down the rank failed: " << exception_text(std::current_exception());
+  }
+}
+
+// ---- parent side ------------------------------------------------------------
+
+struct SpawnResources {
+  posix_spawn_file_actions_t actions;
+  posix_spawnattr_t attr;
+  SpawnResources() {
+    posix_spawn_file_actions_init(&actions);
+    posix_spawnattr_init(&attr);
+  }
+  ~SpawnResources() {
+    posix_spawn_file_actions_destroy(&actions);
+    posix_spawnattr_destroy(&attr);
+  }
+};
+
+std::string self_exe() {
+  std::vector<char> buffer(4096);
+  const ssize_t n = ::readlink("/proc/self/exe", buffer.data(), buffer.size() - 1);
+  if (n <= 0) return "/proc/self/exe";
+  return std::string(buffer.data(), static_cast<size_t>(n));
+}
+
+// Environment of a rank: ours minus harness and GoogleTest variables (a
+// GTEST_OUTPUT or sharding setting of the parent must not reach the ranks),
+// plus the rank's own.
+std::vector<std::string> rank_environment(int rank, const DistributedTestOptions& options, const std::string& store,
+                                          const CallId& call) {
+  std::vector<std::string> env;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string entry(*e);
+    if (entry.rfind("FSDP2CPP_TEST_", 0) == 0 && entry.rfind("FSDP2CPP_TEST_VERBOSE=", 0) != 0) continue;
+    if (entry.rfind("GTEST_", 0) == 0) continue;
+    if (entry.rfind("OMP_NUM_THREADS=", 0) == 0) continue;
+    env.push_back(entry);
+  }
+  env.push_back(std::string(kRankVar) + "=" + std::to_string(rank));
+  env.push_back(std::string(kWorldSizeVar) + "=" + std::to_string(options.world_size));
+  env.push_back(std::string(kStoreVar) + "=" + store);
+  env.push_back(std::string(kNameVar) + "=" + call.test_name);
+  env.push_back(std::string(kCallVar) + "=" + std::to_string(call.index));
+  env.push_back(std::string(kParentVar) + "=" + std::to_string(getpid()));
+  env.push_back("OMP_NUM_THREADS=1");
+  return env;
+}
+
+pid_t spawn_rank(const std::string& exe, const std::string& log_path, const std::vector<std::string>& args,
+                 const std::vector<std::string>& env) {
+  SpawnResources res;
+  posix_spawn_file_actions_addopen(&res.actions, STDIN_FILENO, "/dev/null", O_RDONLY, 0);
+  posix_spawn_file_actions_addopen(&res.actions, STDOUT_FILENO, log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_adddup2(&res.actions, STDOUT_FILENO, STDERR_FILENO);
+  // Own process group, so that a kill reaches everything the rank started.
+  posix_spawnattr_setpgroup(&res.attr, 0);
+  sigset_t mask;
+  sigemptyset(&mask);
+  posix_spawnattr_setsigmask(&res.attr, &mask);
+  sigset_t defaults;
+  sigemptyset(&defaults);
+  for (int sig : {SIGPIPE, SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGCHLD, SIGABRT, SIGSEGV}) sigaddset(&defaults, sig);
+  posix_spawnattr_setsigdefault(&res.attr, &defaults);
+  posix_spawnattr_setflags(&res.attr, POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
+
+  std::vector<char*> argv;
+  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  std::vector<char*> envp;
+  for (const auto& e : env) envp.push_back(const_cast<char*>(e.c_str()));
+  envp.push_back(nullptr);
+  pid_t pid = -1;
+  const int rc = posix_spawn(&pid, exe.c_str(), &res.actions, &res.attr, argv.data(), envp.data());
+  if (rc != 0) throw std::runtime_error("fsdp::testing: posix_spawn of " + exe + " failed: " + strerror(rc));
+  return pid;
+}
+
+std::vector<RankOutcome> launch(const DistributedTestOptions& options, const CallId& call) {
+  if (options.world_size < 1) {
+    throw std::invalid_argument("fsdp::testing: world_size must be >= 1, got " + std::to_string(options.world_size));
+  }
+  if (options.timeout.count() <= 0) {
+    throw std::invalid_argument("fsdp::testing: the timeout must be positive");
+  }
+  const char* tmp_root = std::getenv("TMPDIR");
+  std::string templ = std::string(tmp_root && *tmp_root ? tmp_root : "/tmp") + "/fsdp2cpp-test-XXXXXX";
+  std::vector<char> buffer(templ.begin(), templ.end());
+  buffer.push_back('\0');
+  if (mkdtemp(buffer.data()) == nullptr) {
+    throw std::runtime_error("fsdp::testing: mkdtemp(" + templ + ") failed: " + strerror(errno));
+  }
+  const std::string dir(buffer.data());
+  const std::string store = dir + "/store";
+  const std::string exe = self_exe();
+  const std::vector<std::string> args = {exe, "--gtest_filter=" + call.test_name, "--gtest_also_run_disabled_tests",
+                                         "--gtest_color=no"};
+
+  const int n = options.world_size;
+  std::vector<RankOutcome> outcomes(n);
+  std::vector<pid_t> pids(n, -1);
+  std::vector<bool> running(n, false);
+  const auto start = std::chrono::steady_clock::now();
+  auto elapsed = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
+  try {
+    for (int r = 0; r < n; ++r) {
+      outcomes[r].rank = r;
+      pids[r] =
+          spawn_rank(exe, dir + "/rank-" + std::to_string(r) + ".log", args, rank_environment(r, options, store, call));
+      running[r] = true;
+    }
+  } catch (...) {
+    for (int r = 0; r < n; ++r) {
+      if (running[r]) {
+        kill(-pids[r], SIGKILL);
+        waitpid(pids[r], nullptr, 0);
+      }
+    }
+    remove_dir(dir);
+    throw;
+  }
+
+  const auto deadline = start + options.timeout;
+  int remaining = n;
+  while (remaining > 0) {
+    for (int r = 0; r < n; ++r) {
+      if (!running[r]) continue;
+      int status = 0;
+      const pid_t got = waitpid(pids[r], &status, WNOHANG);
+      if (got == 0 || (got < 0 && errno == EINTR)) continue;
+      running[r] = false;
+      --remaining;
+      outcomes[r].seconds = elapsed();
+      if (got == pids[r] && WIFEXITED(status)) {
+        outcomes[r].exited = true;
+        outcomes[r].exit_code = WEXITSTATUS(status);
+      } else if (got == pids[r] && WIFSIGNALED(status)) {
+        outcomes[r].signal = WTERMSIG(status);
+      }
+      // Anything the rank left behind in its group goes too.
+      kill(-pids[r], SIGKILL);
+    }
+    if (remaining == 0) break;
+    if (std::chrono::steady_clock::now() >= deadline) {
+      for (int r = 0; r < n; ++r) {
+        if (!running[r]) continue;
+        kill(-pids[r], SIGKILL);
+        waitpid(pids[r], nullptr, 0);
+        running[r] = false;
+        outcomes[r].timed_out = true;
+        outcomes[r].signal = SIGKILL;
+        outcomes[r].seconds = elapsed();
+      }
+      break;
+    }
+    std::this_thread::sleep_for(kPollInterval);
+  }
+
+  const bool verbose = env_or_empty("FSDP2CPP_TEST_VERBOSE") == "1";
+  for (int r = 0; r < n; ++r) {
+    outcomes[r].output = read_file(dir + "/rank-" + std::to_string(r) + ".log");
+    outcomes[r].body_ran = file_exists(marker_path(dir, r, call.index));
+    if (verbose) {
+      std::cout << "==== " << call.test_name << ": " << outcomes[r].describe() << "; output ====\n"
+                << outcomes[r].output << "==== end of rank " << r << " ====" << std::endl;
+    }
+  }
+  remove_dir(dir);
+  return outcomes;
+}
+
+// Runs the body in a rank process when this call is the one it was started
+// for. Returns false in the parent.
+bool maybe_run_as_rank(const DistributedTestOptions& options, const RankBody& body, const CallId& call) {
+  if (!is_rank_process()) return false;
+  const std::string name = env_or_empty(kNameVar);
+  if (name != call.test_name) {
+    ADD_FAILURE() << "fsdp::testing: this rank process was started for test " << name << " but is running "
+                  << call.test_name;
+    return true;
+  }
+  if (env_or_empty(kCallVar) == std::to_string(call.index)) run_as_rank(options, body, call);
+  return true;
+}
+
+}  // namespace
+
+// ---- RankContext --------------------------------------------------------------
+
+RankContext::RankContext(std::shared_ptr<collectives::World> world, DistributedTestOptions options)
+    : world_(std::move(world)), options_(std::move(options)) {
+  TORCH_CHECK(world_ != nullptr, "RankContext: the world is null");
+}
+
+int RankContext::rank() const { return world_->rank(); }
+
+int RankContext::world_size() const { return world_->size(); }
+
+c10::Device RankContext::device() const {
+  if (options_.device_type != c10::kCUDA) return c10::Device(options_.device_type);
+  const int count = cuda_device_count();
+  TORCH_CHECK(count > 0, "RankContext::device: a CUDA run, but no CUDA device is visible");
+  return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(world_->local_rank() % count));
+}
+
+const std::shared_ptr<collectives::World>& RankContext::world() const { return world_; }
+
+const std::shared_ptr<collectives::Communicator>& RankContext::world_group() {
+  if (!world_group_) world_group_ = world_->new_group(world_->all_ranks(), options_.device_type, options_.communicator);
+  return world_group_;
+}
+
+const DeviceMesh& RankContext::mesh() {
+  if (!mesh_) {
+    std::vector<int64_t> shape = options_.mesh_shape;
+    if (shape.empty()) shape = {world_->size()};
+    mesh_ = std::make_unique<DeviceMesh>(
+        init_device_mesh(world_, options_.device_type, shape, options_.mesh_dim_names, options_.communicator));
+  }
+  return *mesh_;
+}
+
+// ---- RankOutcome --------------------------------------------------------------
+
+std::string RankOutcome::describe() const {
+  std::ostringstream out;
+  out << "rank " << rank << ": ";
+  if (timed_out) {
+    out << "timed out after " << seconds_string(seconds) << ", still running; killed with SIGKILL";
+  } else if (exited && exit_code == 0 && !body_ran) {
+    out << "exited with code 0 after " << seconds_string(seconds)
+        << " but never ran the body of this run_distributed call (did the test return before the call in the rank "
+           "process, or does the test name not match --gtest_filter?)";
+  } else if (exited && exit_code == 0) {
+    out << "passed in " << seconds_string(seconds);
+  } else if (exited) {
+    out << "exited with code " << exit_code << " after " << seconds_string(seconds);
+  } else if (signal != 0) {
+    out << "killed by signal " << signal_name(signal) << " after " << seconds_string(seconds);
+  } else {
+    out << "ended in an unknown way after " << seconds_string(seconds);
+  }
+  return out.str();
+}
+
+// ---- entry points ---------------------------------------------------------------
+
+std::vector<RankOutcome> run_distributed_collect(const DistributedTestOptions& options, const RankBody& body) {
+  const CallId call = next_call();
+  if (maybe_run_as_rank(options, body, call)) return {};
+  return launch(options, call);
+}
+
+void run_distributed(const DistributedTestOptions& options, const RankBody& body) {
+  const CallId call = next_call();
+  if (maybe_run_as_rank(options, body, call)) return;
+  const std::vector<RankOutcome> outcomes = launch(options, call);
+  for (const RankOutcome& outcome : outcomes) {
+    if (outcome.ok()) continue;
+    ADD_FAILURE() << call.test_name << " with " << options.world_size << " ranks: " << outcome.describe()
+                  << "\n---- output of rank " << outcome.rank << " ----\n"
+                  << tail(outcome.output, kOutputTail) << "---- end of rank " << outcome.rank << " ----";
+  }
+}
+
+void run_distributed(int world_size, const RankBody& body) {
+  DistributedTestOptions options;
+  options.world_size = world_size;
+  run_distributed(options, body);
+}
+
+bool is_rank_process() { return std::getenv(kRankVar) != nullptr; }
+
+int cuda_device_count() {
+  if (!at::hasCUDA()) return 0;
+  return at::detail::getCUDAHooks().deviceCount();
+}
+
+}  // namespace fsdp::testing

@@ -17,6 +17,15 @@
 // the input of all_gather_into_tensor may be output's rank-r slice, and the
 // output of reduce_scatter_tensor may be input's rank-r slice.
 //
+// Reductions: see reduce_op.h. AVG and PREMUL_SUM need floating-point (or
+// complex) tensors; for integer dtypes they throw, since backends would round
+// an integer average differently (reduce with SUM and divide yourself).
+//
+// Errors: every argument is checked before anything is enqueued (defined,
+// on device_type(), dense and contiguous, equal dtypes, the size relations
+// above); a violation throws c10::Error naming the operation, the
+// communicator, the expected and the actual value.
+//
 // Streams: see work.h. Every method returns once the collective is enqueued.
 // A Communicator is not thread-safe: issue collectives from one thread, in the
 // same order on every member.
@@ -70,7 +79,8 @@ class Communicator {
   const std::vector<int>& global_ranks() const { return global_ranks_; }
   c10::DeviceType device_type() const { return device_type_; }
   BackendKind backend_kind() const { return backend_kind_; }
-  // A stable, human-readable name ("gloo[0,2]"), used in errors and logs.
+  // A stable, human-readable name, "<backend>[<global ranks>]" ("gloo[0,2]"),
+  // used in errors and logs.
   const std::string& name() const { return name_; }
 
   // REQUIRES: output.numel() == size() * input.numel(); both contiguous, same
@@ -91,19 +101,19 @@ class Communicator {
   Work barrier();
 
   // Several all-gathers (or reduce-scatters) as one call, each pair obeying
-  // the single-tensor conventions. NCCL runs them as one coalesced group;
-  // Gloo issues them back to back. One Work covers all of them.
-  Work all_gather_into_tensor_coalesced(const std::vector<at::Tensor>& outputs,
-                                        const std::vector<at::Tensor>& inputs);
-  Work reduce_scatter_tensor_coalesced(const std::vector<at::Tensor>& outputs,
-                                       const std::vector<at::Tensor>& inputs, ReduceOp op);
+  // the single-tensor conventions (pairs may differ in size and dtype). NCCL
+  // runs them as one coalesced group; Gloo issues them back to back. One Work
+  // covers all of them; empty lists give an already-completed Work.
+  Work all_gather_into_tensor_coalesced(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs);
+  Work reduce_scatter_tensor_coalesced(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs,
+                                       ReduceOp op);
 
   // The engine underneath, for what this interface does not cover.
   const c10::intrusive_ptr<c10d::Backend>& backend() const { return backend_; }
 
   // Internal: made by World::new_group.
-  Communicator(c10::intrusive_ptr<c10d::Backend> backend, BackendKind kind, c10::DeviceType device_type,
-               int rank, std::vector<int> global_ranks, CommunicatorOptions options);
+  Communicator(c10::intrusive_ptr<c10d::Backend> backend, BackendKind kind, c10::DeviceType device_type, int rank,
+               std::vector<int> global_ranks, CommunicatorOptions options);
 
  private:
   void check_tensor(const at::Tensor& t, const char* op, const char* arg) const;

@@ -5,7 +5,9 @@
 // all-reduce plus a narrow whose op may be ignored (pytorch/pytorch#162338),
 // and Gloo has no PREMUL_SUM. The Communicator therefore lowers AVG and
 // PREMUL_SUM to what each backend computes correctly (SUM, then a scale on the
-// result) and callers can rely on the meaning below.
+// result at Work::wait) and callers can rely on the meaning below. NCCL
+// computes all of them natively. AVG and PREMUL_SUM are for floating-point
+// tensors only (integer averages would round differently per backend).
 #pragma once
 
 #include <string>
@@ -30,9 +32,7 @@ class ReduceOp {
   double factor() const { return factor_; }
   std::string to_string() const;
 
-  friend bool operator==(const ReduceOp& a, const ReduceOp& b) {
-    return a.kind_ == b.kind_ && a.factor_ == b.factor_;
-  }
+  friend bool operator==(const ReduceOp& a, const ReduceOp& b) { return a.kind_ == b.kind_ && a.factor_ == b.factor_; }
 
  private:
   ReduceOp(Kind kind, double factor) : kind_(kind), factor_(factor) {}

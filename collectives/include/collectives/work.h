@@ -45,17 +45,20 @@ class Work {
   ~Work();
 
   // Waits for the collective (see the stream contract above) and then runs
-  // the finishing step. Idempotent. Throws c10::Error naming the collective
-  // when it failed, a peer died, or `timeout` (when non-zero) passed.
+  // the finishing step. Idempotent: the finishing step runs once. Throws
+  // c10::Error naming the collective when it failed, a peer died, or
+  // `timeout` (when non-zero) passed; after a timeout the collective is still
+  // in flight and wait() may be called again.
   void wait(std::chrono::milliseconds timeout = kDefaultTimeout);
 
   // True when the collective has completed (successfully or not). Never blocks.
   bool is_completed() const;
 
-  // The error of a failed collective, or nullptr.
+  // The error of a failed collective (a c10::Error naming it), or nullptr
+  // while it runs or when it succeeded.
   std::exception_ptr exception() const;
 
-  // What this work does, e.g. "all_gather_into_tensor on gloo group [0,1,2]".
+  // What this work does, e.g. "reduce_scatter_tensor(AVG) on gloo[0,1,2]".
   const std::string& description() const { return description_; }
 
   // The underlying c10d work (null for already-completed works).

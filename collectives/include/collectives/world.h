@@ -12,7 +12,10 @@
 //   env://   MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE (required) and
 //            LOCAL_RANK, LOCAL_WORLD_SIZE (optional) as torchrun, srun
 //            wrappers and Kubernetes launchers set them; rank 0 hosts a
-//            c10d TCPStore at MASTER_ADDR:MASTER_PORT.
+//            c10d TCPStore at MASTER_ADDR:MASTER_PORT, unless
+//            TORCHELASTIC_USE_AGENT_STORE=True says torchrun's agent hosts
+//            it (then every rank joins it, under the prefix of
+//            TORCHELASTIC_RESTART_COUNT's attempt, as torch.distributed does).
 //   file://  a c10d FileStore at a path every rank can see (tests).
 // Every rendezvous waits until all ranks have checked in, and fails with an
 // error naming the rendezvous and the ranks that are missing after
@@ -76,6 +79,13 @@ class World {
   // ranks; non-members do not call it. Throws when this rank is not in
   // `ranks`, on duplicates or out-of-range ranks, or when `device_type` has
   // no engine in this build (NCCL needs a CUDA build and a GPU).
+  //
+  // Gloo binds to the interface(s) in GLOO_SOCKET_IFNAME, else to
+  // options.gloo_interface, else to 127.0.0.1 when MASTER_ADDR is unset or a
+  // loopback address (local runs, file://), else to the address this host's
+  // name resolves to. Gloo groups connect here and fail after
+  // options.timeout, naming the members that never called new_group.
+  // NCCL groups bind to the current CUDA device: set it first.
   std::shared_ptr<Communicator> new_group(const std::vector<int>& ranks, c10::DeviceType device_type,
                                           const CommunicatorOptions& options = {});
 

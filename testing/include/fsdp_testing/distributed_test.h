@@ -79,14 +79,32 @@ struct RankOutcome {
   int exit_code = -1;      // when exited
   int signal = 0;          // when killed by a signal
   bool timed_out = false;  // killed by the harness at the deadline
-  std::string output;      // stdout and stderr, interleaved
-  bool ok() const { return exited && exit_code == 0; }
+  // The rank process reached the body of this run_distributed call. False
+  // when it died first, or when the test returned before making the call in
+  // the rank process (a rank that exits 0 without running the body is not
+  // ok: that would be a silent pass).
+  bool body_ran = false;
+  double seconds = 0;  // wall time from start to exit (or to the kill)
+  std::string output;  // stdout and stderr, interleaved
+  bool ok() const { return exited && exit_code == 0 && body_ran; }
+  // One line: the rank and how it ended ("rank 1: killed by signal 6
+  // (SIGABRT: Aborted) after 0.4s", "rank 0: timed out after 5.0s, still
+  // running; killed with SIGKILL", "rank 2: exited with code 1 after 1.2s").
   std::string describe() const;
 };
 
 // Runs `body` on options.world_size processes and records a GoogleTest
 // failure for every rank that failed, crashed or timed out, with its output.
 // In a rank process it runs the body as that rank instead.
+//
+// A test may call run_distributed several times (e.g. over world sizes); the
+// rank processes of the k-th call run only the k-th body and skip the others.
+// Code after the call also runs in the rank processes: guard parent-only
+// checks with `if (is_rank_process()) return;`.
+//
+// Environment: FSDP2CPP_TEST_VERBOSE=1 prints every rank's output, also when
+// it passed. The rank processes see FSDP2CPP_TEST_RANK,
+// FSDP2CPP_TEST_WORLD_SIZE, FSDP2CPP_TEST_STORE and FSDP2CPP_TEST_NAME.
 void run_distributed(const DistributedTestOptions& options, const RankBody& body);
 void run_distributed(int world_size, const RankBody& body);
 
@@ -105,7 +123,7 @@ int cuda_device_count();
 
 // Skips the current test (from the test body, before run_distributed) when no
 // GPU is present.
-#define FSDP2CPP_SKIP_WITHOUT_CUDA()                                          \
-  do {                                                                       \
+#define FSDP2CPP_SKIP_WITHOUT_CUDA()                                                 \
+  do {                                                                               \
     if (::fsdp::testing::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device"; \
   } while (false)

@@ -1,0 +1,256 @@
+// Multi-process tests of the collectives layer over real Gloo process groups:
+// every collective at world sizes 1 to 4, groups over subsets of ranks, the
+// env:// and file:// rendezvous across processes, a rank that never joins and
+// a rank that dies in the middle of a collective.
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include "collective_checks.h"
+#include "collectives/communicator.h"
+#include "collectives/world.h"
+#include "fsdp_testing/distributed_test.h"
+
+namespace fsdp::collectives {
+namespace {
+
+using ::fsdp::testing::RankContext;
+using ::testing::HasSubstr;
+
+std::string store_get(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key) {
+  const std::vector<uint8_t> value = store->get(key);
+  return std::string(value.begin(), value.end());
+}
+
+void store_set(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key, const std::string& value) {
+  store->set(key, std::vector<uint8_t>(value.begin(), value.end()));
+}
+
+class CollectivesTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(CollectivesTest, AllGatherIntoTensorPlacesEachRankAtItsOffset) {
+  fsdp::testing::run_distributed(GetParam(),
+                                 [](RankContext& ctx) { testing::check_all_gather(*ctx.world_group(), ctx.device()); });
+}
+
+TEST_P(CollectivesTest, ReduceScatterTensorReducesEachRanksSlice) {
+  fsdp::testing::run_distributed(
+      GetParam(), [](RankContext& ctx) { testing::check_reduce_scatter(*ctx.world_group(), ctx.device()); });
+}
+
+TEST_P(CollectivesTest, AllReduceReducesEveryElement) {
+  fsdp::testing::run_distributed(GetParam(),
+                                 [](RankContext& ctx) { testing::check_all_reduce(*ctx.world_group(), ctx.device()); });
+}
+
+TEST_P(CollectivesTest, CoalescedFormsMatchTheSingleTensorCollectives) {
+  fsdp::testing::run_distributed(GetParam(),
+                                 [](RankContext& ctx) { testing::check_coalesced(*ctx.world_group(), ctx.device()); });
+}
+
+TEST_P(CollectivesTest, BroadcastFromEveryRootAndBarrier) {
+  fsdp::testing::run_distributed(GetParam(), [](RankContext& ctx) {
+    auto& comm = *ctx.world_group();
+    testing::check_broadcast(comm, ctx.device());
+
+    // Each rank arrives late by a different amount; after the barrier every
+    // rank's arrival mark must be visible.
+    const auto& store = ctx.world()->store();
+    for (int round = 0; round < 3; ++round) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(30 * ((ctx.rank() + round) % ctx.world_size())));
+      store_set(store, "barrier/" + std::to_string(round) + "/" + std::to_string(ctx.rank()), "arrived");
+      comm.barrier().wait();
+      for (int r = 0; r < ctx.world_size(); ++r) {
+        EXPECT_TRUE(store->check({"barrier/" + std::to_string(round) + "/" + std::to_string(r)}))
+            << "round " << round << ": rank " << r << " had not arrived when the barrier released rank " << ctx.rank();
+      }
+    }
+  });
+}
+
+// Groups over subsets: even and odd ranks, a reversed order (group rank is the
+// index in the member list, not the global rank), and a group per rank.
+TEST_P(CollectivesTest, GroupsCommunicateAmongTheirMembersInListOrder) {
+  fsdp::testing::run_distributed(GetParam(), [](RankContext& ctx) {
+    const int rank = ctx.rank();
+    const int size = ctx.world_size();
+    std::vector<int> parity;
+    for (int r = rank % 2; r < size; r += 2) parity.push_back(r);
+    auto parity_group = ctx.world()->new_group(parity, c10::kCPU);
+    at::Tensor t = at::full({3}, static_cast<double>(rank));
+    parity_group->all_reduce(t, ReduceOp::sum()).wait();
+    double expected = 0;
+    for (int r : parity) expected += r;
+    EXPECT_TRUE(t.equal(at::full({3}, expected))) << parity_group->name() << ": " << t;
+
+    std::vector<int> reversed;
+    for (int r = size - 1; r >= 0; --r) reversed.push_back(r);
+    auto reversed_group = ctx.world()->new_group(reversed, c10::kCPU);
+    EXPECT_EQ(reversed_group->rank(), size - 1 - rank);
+    EXPECT_EQ(reversed_group->global_ranks(), reversed);
+    at::Tensor gathered = at::empty({size}, at::kLong);
+    reversed_group->all_gather_into_tensor(gathered, at::full({1}, rank, at::kLong)).wait();
+    EXPECT_TRUE(gathered.equal(at::tensor(std::vector<int64_t>(reversed.begin(), reversed.end()))))
+        << "gathered in group-rank order: " << gathered;
+    testing::check_reduce_scatter(*reversed_group, ctx.device());
+
+    auto self_group = ctx.world()->new_group({rank}, c10::kCPU);
+    EXPECT_EQ(self_group->size(), 1);
+    at::Tensor mine = at::full({2}, 7.0);
+    self_group->all_reduce(mine, ReduceOp::avg()).wait();
+    EXPECT_TRUE(mine.equal(at::full({2}, 7.0)));
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, CollectivesTest, ::testing::Values(1, 2, 3, 4),
+                         [](const ::testing::TestParamInfo<int>& info) {
+                           return "WorldSize" + std::to_string(info.param);
+                         });
+
+// ---- rendezvous across processes ------------------------------------------------
+
+// A port nobody listens on right now.
+int free_port() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t len = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+TEST(RendezvousTest, EnvRendezvousAcrossProcesses) {
+  fsdp::testing::run_distributed(3, [](RankContext& ctx) {
+    const auto& store = ctx.world()->store();
+    if (ctx.rank() == 0) store_set(store, "env_test/port", std::to_string(free_port()));
+    const std::string port = store_get(store, "env_test/port");
+    setenv("MASTER_ADDR", "127.0.0.1", 1);
+    setenv("MASTER_PORT", port.c_str(), 1);
+    setenv("RANK", std::to_string(ctx.rank()).c_str(), 1);
+    setenv("WORLD_SIZE", "3", 1);
+    setenv("LOCAL_RANK", std::to_string(ctx.rank()).c_str(), 1);
+    setenv("LOCAL_WORLD_SIZE", "3", 1);
+    auto world = World::from_env();
+    EXPECT_EQ(world->rank(), ctx.rank());
+    EXPECT_EQ(world->size(), 3);
+    EXPECT_EQ(world->local_rank(), ctx.rank());
+    EXPECT_EQ(world->description(), "env://127.0.0.1:" + port);
+    auto comm = world->new_group(world->all_ranks(), c10::kCPU);
+    at::Tensor t = at::full({4}, ctx.rank() + 1.0);
+    comm->all_reduce(t, ReduceOp::sum()).wait();
+    EXPECT_TRUE(t.equal(at::full({4}, 6.0))) << t;
+    // Rank 0 hosts the store: it leaves last.
+    comm->barrier().wait();
+  });
+}
+
+TEST(RendezvousTest, RanksThatJoinedNameTheRankThatNeverCame) {
+  fsdp::testing::run_distributed(3, [](RankContext& ctx) {
+    const auto& store = ctx.world()->store();
+    if (ctx.rank() == 0) {
+      char dir[] = "/tmp/fsdp2cpp-rdzv-XXXXXX";
+      ASSERT_NE(mkdtemp(dir), nullptr);
+      store_set(store, "missing_test/path", std::string(dir) + "/store");
+    }
+    const std::string path = store_get(store, "missing_test/path");
+    if (ctx.rank() != 2) {  // rank 2 never joins
+      RendezvousOptions options;
+      options.timeout = std::chrono::milliseconds(1500);
+      try {
+        World::from_file(path, ctx.rank(), 3, options);
+        ADD_FAILURE() << "the rendezvous succeeded without rank 2";
+      } catch (const c10::Error& e) {
+        const std::string message = e.what_without_backtrace();
+        EXPECT_THAT(message, HasSubstr("rendezvous file://" + path + " timed out after 1500 ms"));
+        EXPECT_THAT(message, HasSubstr("missing rank(s) [2] never joined"));
+      }
+    }
+    ctx.world_group()->barrier().wait();
+    if (ctx.rank() == 0) {
+      std::remove(path.c_str());
+      rmdir(path.substr(0, path.rfind('/')).c_str());
+    }
+  });
+}
+
+// ---- failures ------------------------------------------------------------------
+
+TEST(FailureTest, SurvivorsOfARankThatDiesMidCollectiveFailNamingIt) {
+  fsdp::testing::DistributedTestOptions options;
+  options.world_size = 3;
+  options.communicator.timeout = std::chrono::seconds(10);
+  options.timeout = std::chrono::seconds(60);
+  const auto outcomes = fsdp::testing::run_distributed_collect(options, [](RankContext& ctx) {
+    auto& comm = *ctx.world_group();
+    comm.barrier().wait();  // every connection is up
+    if (ctx.rank() == 1) std::_Exit(3);
+    at::Tensor t = at::ones({1024});
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      comm.all_reduce(t, ReduceOp::sum()).wait();
+      ADD_FAILURE() << "all_reduce succeeded although rank 1 died";
+    } catch (const c10::Error& e) {
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      std::cout << "SURVIVOR ERROR after " << seconds << "s: " << e.what_without_backtrace() << std::endl;
+      EXPECT_THAT(e.what_without_backtrace(), HasSubstr("all_reduce(SUM) on gloo[0,1,2] failed"));
+      EXPECT_LT(seconds, 15.0);
+    }
+  });
+  if (fsdp::testing::is_rank_process()) return;
+  ASSERT_EQ(outcomes.size(), 3u);
+  EXPECT_TRUE(outcomes[1].exited && outcomes[1].exit_code == 3) << outcomes[1].describe();
+  for (int r : {0, 2}) {
+    EXPECT_TRUE(outcomes[r].ok()) << outcomes[r].describe() << "\n" << outcomes[r].output;
+    EXPECT_THAT(outcomes[r].output, HasSubstr("SURVIVOR ERROR")) << outcomes[r].output;
+  }
+}
+
+TEST(FailureTest, SurvivorsOfARankThatStopsIssuingCollectivesFailAfterTheTimeout) {
+  fsdp::testing::DistributedTestOptions options;
+  options.world_size = 3;
+  options.communicator.timeout = std::chrono::seconds(2);
+  options.timeout = std::chrono::seconds(60);
+  fsdp::testing::run_distributed(options, [](RankContext& ctx) {
+    auto& comm = *ctx.world_group();
+    comm.barrier().wait();
+    const auto& store = ctx.world()->store();
+    if (ctx.rank() == 1) {
+      // Alive but silent until the others have given up.
+      store->wait({"hang_test/failed/0", "hang_test/failed/2"}, std::chrono::seconds(30));
+      return;
+    }
+    at::Tensor t = at::ones({16});
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      comm.all_reduce(t, ReduceOp::avg()).wait();
+      ADD_FAILURE() << "all_reduce succeeded although rank 1 never issued it";
+    } catch (const c10::Error& e) {
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      EXPECT_THAT(e.what_without_backtrace(), HasSubstr("all_reduce(AVG) on gloo[0,1,2] failed"));
+      EXPECT_GE(seconds, 1.5);
+      EXPECT_LT(seconds, 10.0);
+    }
+    store_set(store, "hang_test/failed/" + std::to_string(ctx.rank()), "1");
+  });
+}
+
+}  // namespace
+}  // namespace fsdp::collectives
