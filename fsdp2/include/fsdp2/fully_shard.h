@@ -1,0 +1,199 @@
+// fully_shard: PyTorch FSDP2 for LibTorch modules.
+//
+// Shards every parameter of a module on dim 0 over a DeviceMesh (torch.chunk
+// semantics, zero-padded, uneven sizes allowed) and installs the runtime that
+// all-gathers a module's parameters before its forward and backward and
+// reduce-scatters its gradients after backward. Apply it to submodules first
+// (each becomes one communication group), then to the root, which takes every
+// parameter not already sharded:
+//
+//   auto mesh = fsdp::init_device_mesh(world, c10::kCUDA, {world->size()});
+//   fsdp::FullyShardOptions opts;
+//   opts.mesh = mesh;
+//   for (auto& block : model->blocks) fsdp::fully_shard(block, opts);
+//   fsdp::FSDPModule root = fsdp::fully_shard(model, opts);
+//   torch::optim::AdamW optim(model->parameters(), 1e-3);   // after fully_shard
+//   for (...) {
+//     auto loss = fsdp::call_module(model, x).mse_loss(y);     // or model(x) with FSDP2CPP_MODULE
+//     loss.backward();
+//     optim.step();
+//     optim.zero_grad();
+//   }
+//
+// Parameter FQNs do not change. After fully_shard, `module->parameters()`
+// returns the sharded parameters (this rank's rows), which is what the
+// optimizer must be built over; gradients after backward are sharded too.
+// Modules must be called through fsdp::call_module (or holders declared
+// with FSDP2CPP_MODULE, or fsdp::Sequential); see module_call.h. The
+// semantics (defaults, state machine, numerics) are those of PyTorch's
+// torch.distributed.fsdp.fully_shard.
+//
+// Threading: a sharded model is used from one thread at a time.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Event.h>
+#include <c10/core/ScalarType.h>
+#include <c10/core/Stream.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include "device_mesh/device_mesh.h"
+#include "fsdp2/module_call.h"
+
+namespace fsdp {
+
+// Mixed precision as FSDP2's MixedPrecisionPolicy. Only the default (all
+// unset: compute and reduce in the parameters' dtype) is accepted for now.
+struct MixedPrecisionPolicy {
+  std::optional<c10::ScalarType> param_dtype;
+  std::optional<c10::ScalarType> reduce_dtype;
+  std::optional<c10::ScalarType> output_dtype;
+  bool cast_forward_inputs = true;
+};
+
+// Offloading as FSDP2's OffloadPolicy / CPUOffloadPolicy. Only the default
+// (no offload) is accepted for now.
+struct OffloadPolicy {
+  bool offload_to_cpu = false;
+  bool pin_memory = true;
+};
+
+struct FullyShardOptions {
+  // The mesh to shard over (1-D: FSDP). Unset: the mesh of the already-sharded
+  // submodules, else a 1-D mesh over `world` on the parameters' device.
+  std::optional<DeviceMesh> mesh;
+  // Used only to build the default mesh when `mesh` is unset.
+  std::shared_ptr<collectives::World> world;
+  // true: free the unsharded parameters after forward (all-gather again in
+  // backward); false: keep them until after backward. Unset: true, except
+  // for the root module, which keeps them (its backward starts at once).
+  std::optional<bool> reshard_after_forward;
+  MixedPrecisionPolicy mp_policy;
+  OffloadPolicy offload_policy;
+};
+
+namespace detail {
+class FSDPState;
+}
+
+// Communication counters of one root's FSDP tree, for progress reports and
+// benchmarks. "Wait" times are host time blocked waiting for a collective:
+// on CPU (Gloo) that is exactly the communication not hidden behind
+// compute; on CUDA the host rarely blocks (streams wait instead), so use a
+// profiler (the phases are labelled) for exposed GPU communication.
+struct RuntimeStats {
+  int64_t all_gathers = 0;
+  int64_t reduce_scatters = 0;
+  int64_t all_gather_bytes = 0;      // bytes received by this rank
+  int64_t reduce_scatter_bytes = 0;  // bytes sent by this rank
+  double all_gather_wait_seconds = 0;
+  double reduce_scatter_wait_seconds = 0;
+};
+
+// Waits for an asynchronous unshard (FSDPModule::unshard(true)).
+class UnshardHandle {
+ public:
+  UnshardHandle() = default;
+  // Makes the unsharded parameters usable: waits for the all-gather and
+  // copies out (on CUDA: the current stream waits, not the host). No-op for
+  // an already-completed handle.
+  void wait();
+
+  explicit UnshardHandle(std::shared_ptr<detail::FSDPState> state) : state_(std::move(state)) {}
+
+ private:
+  std::shared_ptr<detail::FSDPState> state_;
+};
+
+// The handle of a module that fully_shard was applied to: FSDP2's FSDPModule
+// methods. Cheap to copy; all copies refer to the same state, which lives as
+// long as the module does.
+class FSDPModule {
+ public:
+  // The sharded module.
+  torch::nn::Module& module() const;
+  std::shared_ptr<torch::nn::Module> module_ptr() const;
+  // The mesh the module is sharded over.
+  const DeviceMesh& mesh() const;
+
+  // All-gathers the module's parameters so they are unsharded, as before its
+  // forward. With async_op the all-gather is only issued; call wait() on the
+  // handle before using the parameters.
+  UnshardHandle unshard(bool async_op = false);
+  // Frees the unsharded parameters; the sharded ones are used again.
+  void reshard();
+
+  // Whether backward reduces gradients (false: accumulate unsharded gradients
+  // locally, as for gradient accumulation without communication).
+  void set_requires_gradient_sync(bool requires_gradient_sync, bool recurse = true);
+  // Whether to free the unsharded parameters after forward. Only for
+  // non-root modules in FSDP2's default; allowed on any.
+  void set_reshard_after_forward(bool reshard_after_forward, bool recurse = true);
+  // Whether to free the unsharded parameters after backward.
+  void set_reshard_after_backward(bool reshard_after_backward, bool recurse = true);
+  // Modules whose all-gather is issued at the start of this module's forward
+  // (explicit forward prefetch), in order.
+  void set_modules_to_forward_prefetch(const std::vector<FSDPModule>& modules);
+  // Modules whose all-gather is issued at the start of this module's backward
+  // (replaces the implicit previous-module prefetch).
+  void set_modules_to_backward_prefetch(const std::vector<FSDPModule>& modules);
+  // Whether to unshard in backward (false for modules whose parameters are
+  // not used in backward, e.g. embeddings whose output is not differentiated).
+  void set_unshard_in_backward(bool unshard_in_backward);
+  // The root waits for this event instead of the whole current stream before
+  // the next forward's first all-gather (CUDA; ignored on CPU).
+  void set_post_optim_event(std::shared_ptr<c10::Event> event);
+  // Gradients are divided by `factor` instead of the data-parallel world size.
+  void set_gradient_divide_factor(double factor);
+  // Reduce with SUM collectives and divide locally (never AVG/PREMUL_SUM).
+  void set_force_sum_reduction_for_comms(bool force_sum);
+  // Called on each reduced gradient shard buffer after reduction (on the
+  // reduction's stream on CUDA), before it becomes the parameters' .grad.
+  void set_all_reduce_hook(std::function<void(at::Tensor&)> hook);
+  // Whether the next backward is the last before the optimizer step (false
+  // skips the end-of-backward waits that only the last backward needs).
+  void set_is_last_backward(bool is_last_backward);
+
+  // Counters of the whole FSDP tree this module belongs to (since the last
+  // reset_runtime_stats). Zero before the first forward.
+  RuntimeStats runtime_stats() const;
+  void reset_runtime_stats();
+
+  // Bytes held now by this module's unsharded parameter storage (0 when
+  // resharded): for checking that reshard really frees memory.
+  int64_t unsharded_bytes() const;
+
+  // Internal.
+  explicit FSDPModule(std::shared_ptr<detail::FSDPState> state);
+  const std::shared_ptr<detail::FSDPState>& state() const { return state_; }
+
+ private:
+  std::shared_ptr<detail::FSDPState> state_;
+};
+
+// Shards `module`'s parameters not yet managed by a sharded submodule and
+// returns its handle. REQUIRES: every parameter is defined, on the mesh's
+// device type, and of one floating dtype within the module's group; the
+// module is not already sharded, and no ancestor is. Throws c10::Error naming
+// the module and parameter otherwise. Collective over the mesh (parameters
+// are not communicated, but the default mesh may be created).
+FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, const FullyShardOptions& options = {});
+
+template <typename Impl>
+FSDPModule fully_shard(const torch::nn::ModuleHolder<Impl>& module, const FullyShardOptions& options = {}) {
+  return fully_shard(std::static_pointer_cast<torch::nn::Module>(module.ptr()), options);
+}
+
+// The FSDPModule of `module`, or std::nullopt when fully_shard was not
+// applied to it.
+std::optional<FSDPModule> fsdp_module_of(const torch::nn::Module& module);
+
+}  // namespace fsdp

@@ -1,0 +1,174 @@
+// Calling LibTorch modules through forward hooks.
+//
+// torch::nn::Module has no forward hooks (pytorch/pytorch#25888), and
+// ModuleHolder::operator() calls forward() directly. For fully_shard to act
+// on a module call (unshard before it, reshard and hook backward after it),
+// the call must pass through this facility, the C++ counterpart of Python's
+// `module(*args)`:
+//
+//   out = fsdp::call_module(block, x, mask);   // runs block's hooks around forward
+//
+// or, with no change at call sites, declare the holder with FSDP2CPP_MODULE
+// instead of TORCH_MODULE, so that `block(x)` goes through the hooks:
+//
+//   struct BlockImpl : torch::nn::Module { at::Tensor forward(const at::Tensor& x); ... };
+//   FSDP2CPP_MODULE(Block);
+//
+// fsdp::Sequential is torch::nn::Sequential whose children are called through
+// their hooks. Forward arguments and results may be tensors, std::vector /
+// std::tuple / std::pair / std::optional of them (nested), or plain values;
+// hooks see (and may replace) every tensor among them.
+//
+// Modules without hooks are called directly, at the cost of one table lookup.
+// Hooks are process-wide per module object, registered with
+// register_forward_pre_hook / register_forward_hook, and live until removed
+// or until the module is destroyed.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/pimpl.h>
+
+namespace fsdp {
+
+// Pointers to the tensors among a call's arguments or results, in order.
+// A hook may assign through them (to cast or wrap a tensor).
+using TensorRefs = std::vector<at::Tensor*>;
+using ForwardPreHook = std::function<void(torch::nn::Module& module, TensorRefs& inputs)>;
+using ForwardHook = std::function<void(torch::nn::Module& module, TensorRefs& inputs, TensorRefs& outputs)>;
+
+// Identifies a registered hook, for remove_hook().
+using HookId = uint64_t;
+
+// Registers a hook run before `module`'s forward on every call_module.
+// REQUIRES: `module` is owned by a std::shared_ptr (as all LibTorch modules
+// made with std::make_shared or a holder are). Hooks run in registration order.
+HookId register_forward_pre_hook(torch::nn::Module& module, ForwardPreHook hook);
+// Registers a hook run after `module`'s forward on every call_module.
+HookId register_forward_hook(torch::nn::Module& module, ForwardHook hook);
+// Removes a hook; throws when `id` is not registered on `module`.
+void remove_hook(torch::nn::Module& module, HookId id);
+// True when `module` has any hook.
+bool has_forward_hooks(const torch::nn::Module& module);
+
+namespace detail {
+
+struct ModuleHooks {
+  std::vector<std::pair<HookId, ForwardPreHook>> pre;
+  std::vector<std::pair<HookId, ForwardHook>> post;
+};
+
+// The hooks of `module`, or null. Snapshot: safe against concurrent changes.
+std::shared_ptr<const ModuleHooks> hooks_of(const torch::nn::Module& module);
+
+inline void collect_tensors(at::Tensor& t, TensorRefs& out) { out.push_back(&t); }
+template <typename T>
+void collect_tensors(std::vector<T>& v, TensorRefs& out);
+template <typename T>
+void collect_tensors(std::optional<T>& v, TensorRefs& out);
+template <typename A, typename B>
+void collect_tensors(std::pair<A, B>& v, TensorRefs& out);
+template <typename... T>
+void collect_tensors(std::tuple<T...>& v, TensorRefs& out);
+// Plain values carry no tensor.
+template <typename T>
+void collect_tensors(T&, TensorRefs&) {}
+
+template <typename T>
+void collect_tensors(std::vector<T>& v, TensorRefs& out) {
+  for (auto& x : v) collect_tensors(x, out);
+}
+template <typename T>
+void collect_tensors(std::optional<T>& v, TensorRefs& out) {
+  if (v) collect_tensors(*v, out);
+}
+template <typename A, typename B>
+void collect_tensors(std::pair<A, B>& v, TensorRefs& out) {
+  collect_tensors(v.first, out);
+  collect_tensors(v.second, out);
+}
+template <typename... T>
+void collect_tensors(std::tuple<T...>& v, TensorRefs& out) {
+  std::apply([&out](auto&... x) { (collect_tensors(x, out), ...); }, v);
+}
+
+void run_pre_hooks(const ModuleHooks& hooks, torch::nn::Module& module, TensorRefs& inputs);
+void run_post_hooks(const ModuleHooks& hooks, torch::nn::Module& module, TensorRefs& inputs, TensorRefs& outputs);
+
+// Runs the Sequential's own hooks around calling each child, in order,
+// through the child's hooks. Children must take and return one tensor.
+at::Tensor call_sequential(torch::nn::SequentialImpl& sequential, at::Tensor input);
+
+}  // namespace detail
+
+// Runs `module.forward(args...)` with `module`'s forward hooks around it.
+// Works for any module type (an Impl or a holder). Arguments are taken by
+// value when the module has hooks, so that hooks can replace tensors.
+template <typename ModuleT, typename... Args>
+auto call_module(ModuleT& module, Args&&... args) {
+  if constexpr (torch::detail::is_module_holder<ModuleT>::value) {
+    return call_module(*module.ptr(), std::forward<Args>(args)...);
+  } else if constexpr (std::is_same_v<ModuleT, torch::nn::SequentialImpl>) {
+    static_assert(sizeof...(Args) == 1, "fsdp::call_module on a Sequential takes one tensor");
+    return detail::call_sequential(module, at::Tensor(std::forward<Args>(args)...));
+  } else {
+    static_assert(std::is_base_of_v<torch::nn::Module, ModuleT>, "call_module needs a torch::nn::Module");
+    auto hooks = detail::hooks_of(module);
+    if (!hooks) return module.forward(std::forward<Args>(args)...);
+    std::tuple<std::decay_t<Args>...> values(std::forward<Args>(args)...);
+    TensorRefs inputs;
+    detail::collect_tensors(values, inputs);
+    detail::run_pre_hooks(*hooks, module, inputs);
+    auto output = std::apply([&module](auto&... a) { return module.forward(a...); }, values);
+    TensorRefs outputs;
+    detail::collect_tensors(output, outputs);
+    detail::run_post_hooks(*hooks, module, inputs, outputs);
+    return output;
+  }
+}
+
+// A ModuleHolder whose operator() goes through call_module.
+template <typename Impl>
+class HookedModuleHolder : public torch::nn::ModuleHolder<Impl> {
+ public:
+  using torch::nn::ModuleHolder<Impl>::ModuleHolder;
+  using ContainedType = Impl;
+
+  template <typename... Args>
+  auto operator()(Args&&... args) {
+    return call_module(*this->ptr(), std::forward<Args>(args)...);
+  }
+};
+
+// torch::nn::Sequential whose call runs each child through its hooks.
+// Children take and return one tensor.
+class Sequential : public HookedModuleHolder<torch::nn::SequentialImpl> {
+ public:
+  using HookedModuleHolder<torch::nn::SequentialImpl>::HookedModuleHolder;
+  Sequential() : HookedModuleHolder(std::make_shared<torch::nn::SequentialImpl>()) {}
+  // Same constructors as torch::nn::Sequential.
+  template <typename... Modules, typename = std::enable_if_t<(sizeof...(Modules) > 0)>>
+  explicit Sequential(Modules&&... modules)
+      : HookedModuleHolder(std::make_shared<torch::nn::SequentialImpl>(std::forward<Modules>(modules)...)) {}
+};
+
+}  // namespace fsdp
+
+// Drop-in for TORCH_MODULE(Name): declares `Name` as the holder of `NameImpl`
+// whose call operator runs the module's forward hooks (fsdp::call_module).
+#define FSDP2CPP_MODULE(Name)                                              \
+  class Name : public ::fsdp::HookedModuleHolder<Name##Impl> {             \
+   public:                                                                 \
+    using ::fsdp::HookedModuleHolder<Name##Impl>::HookedModuleHolder;      \
+    using Impl = Name##Impl;                                               \
+  }

@@ -1,0 +1,159 @@
+#include "fsdp_param.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/StorageImpl.h>
+#include <c10/util/strides.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/variable.h>
+
+namespace fsdp::detail {
+namespace {
+
+void free_storage(const at::Tensor& t) {
+  c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+  if (storage->nbytes() == 0) return;
+  storage->set_data_ptr_noswap(at::DataPtr(nullptr, storage->device()));
+  storage->set_nbytes(0);
+}
+
+void alloc_storage(const at::Tensor& t, size_t nbytes) {
+  c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+  if (storage->nbytes() == nbytes) return;
+  TORCH_INTERNAL_ASSERT(storage->nbytes() == 0, "fsdp2: unsharded storage is partially allocated");
+  storage->set_data_ptr_noswap(storage->allocator()->allocate(nbytes));
+  storage->set_nbytes(nbytes);
+}
+
+// A tensor over `base`'s storage that autograd does not treat as a view.
+// LibTorch's Optimizer::zero_grad calls detach_() on every gradient, which
+// views refuse; the sharded gradient aliases the reduce-scatter output
+// (no copy), so it is made this way.
+at::Tensor alias_storage(const at::Tensor& base, int64_t offset, c10::IntArrayRef sizes) {
+  c10::NoGradGuard no_grad;
+  return at::empty({0}, base.options()).set_(base.storage(), base.storage_offset() + offset, sizes,
+                                             c10::contiguous_strides(sizes));
+}
+
+}  // namespace
+
+FSDPParam::FSDPParam(at::Tensor param, std::string fqn, int64_t shard_rank, int64_t shard_world_size)
+    : param_(std::move(param)), fqn_(std::move(fqn)), rank_(shard_rank), world_size_(shard_world_size) {
+  unsharded_shape_ = param_.sizes().vec();
+  unsharded_numel_ = param_.numel();
+  // A 0-dim parameter is sharded as one row.
+  const int64_t rows = param_.dim() == 0 ? 1 : param_.size(0);
+  const int64_t row_numel = rows == 0 ? 0 : unsharded_numel_ / rows;
+  const int64_t chunk_rows = (rows + world_size_ - 1) / world_size_;
+  const int64_t offset = std::min(rank_ * chunk_rows, rows);
+  const int64_t local_rows = std::max<int64_t>(0, std::min(chunk_rows, rows - offset));
+  padded_shard_numel_ = chunk_rows * row_numel;
+
+  sharded_shape_ = param_.dim() == 0 ? std::vector<int64_t>{local_rows} : unsharded_shape_;
+  if (param_.dim() > 0) sharded_shape_[0] = local_rows;
+
+  const auto options = param_.options().requires_grad(false);
+  c10::NoGradGuard no_grad;
+  at::Tensor full = param_.detach().reshape({rows, row_numel});
+  padded_shard_ = at::zeros({padded_shard_numel_}, options);
+  padded_shard_.narrow(0, 0, local_rows * row_numel).copy_(full.narrow(0, offset, local_rows).reshape({-1}));
+  sharded_view_ = padded_shard_.narrow(0, 0, local_rows * row_numel).view(sharded_shape_);
+
+  unsharded_buffer_ = at::empty({world_size_ * padded_shard_numel_}, options);
+  unsharded_view_ = unsharded_buffer_.narrow(0, 0, unsharded_numel_).view(unsharded_shape_);
+  free_storage(unsharded_buffer_);
+
+  param_.set_data(sharded_view_);
+}
+
+at::Tensor FSDPParam::alloc_all_gather_output_rows() {
+  alloc_storage(unsharded_buffer_, static_cast<size_t>(unsharded_buffer_.numel()) * unsharded_buffer_.element_size());
+  return unsharded_buffer_.view({world_size_, padded_shard_numel_});
+}
+
+void FSDPParam::free_unsharded_storage() { free_storage(unsharded_buffer_); }
+
+int64_t FSDPParam::unsharded_storage_bytes() const {
+  return static_cast<int64_t>(unsharded_buffer_.storage().nbytes());
+}
+
+void FSDPParam::to_unsharded() {
+  if (state_ == ShardedState::kUnsharded) return;
+  TORCH_INTERNAL_ASSERT(unsharded_storage_bytes() > 0 || unsharded_numel_ == 0,
+                        "fsdp2: ", fqn_, " is unsharded before its all-gather output exists");
+  stash_sharded_grad();
+  param_.set_data(unsharded_view_);
+  state_ = ShardedState::kUnsharded;
+}
+
+void FSDPParam::to_sharded() {
+  if (state_ == ShardedState::kSharded) return;
+  const at::Tensor& grad = param_.grad();
+  TORCH_CHECK(!grad.defined(), "fsdp2: parameter '", fqn_,
+              "' has a full gradient that was never reduced when it is resharded; this happens when reshard() "
+              "is called between backward and the end of backward");
+  param_.set_data(sharded_view_);
+  free_unsharded_storage();
+  restore_sharded_grad();
+  state_ = ShardedState::kSharded;
+}
+
+void FSDPParam::stash_sharded_grad() {
+  at::Tensor& grad = param_.mutable_grad();
+  if (!grad.defined()) return;
+  TORCH_CHECK(grad.sizes() == c10::IntArrayRef(sharded_shape_), "fsdp2: parameter '", fqn_,
+              "' has a gradient of shape ", grad.sizes(), " while sharded; expected the sharded shape ",
+              c10::IntArrayRef(sharded_shape_), ". Only fsdp2 should assign gradients to sharded parameters.");
+  TORCH_INTERNAL_ASSERT(!sharded_grad_.defined());
+  sharded_grad_ = std::move(grad);
+  grad = at::Tensor();
+}
+
+void FSDPParam::restore_sharded_grad() {
+  if (!sharded_grad_.defined()) return;
+  param_.mutable_grad() = std::move(sharded_grad_);
+  sharded_grad_ = at::Tensor();
+}
+
+at::Tensor FSDPParam::take_unsharded_grad() {
+  at::Tensor& grad = param_.mutable_grad();
+  at::Tensor result = std::move(grad);
+  grad = at::Tensor();
+  if (unsharded_accumulated_grad_.defined()) {
+    if (result.defined()) {
+      c10::NoGradGuard no_grad;
+      unsharded_accumulated_grad_.add_(result);
+    }
+    result = std::move(unsharded_accumulated_grad_);
+    unsharded_accumulated_grad_ = at::Tensor();
+  }
+  return result;
+}
+
+void FSDPParam::accumulate_unsharded_grad() {
+  at::Tensor& grad = param_.mutable_grad();
+  if (!grad.defined()) return;
+  if (unsharded_accumulated_grad_.defined()) {
+    c10::NoGradGuard no_grad;
+    unsharded_accumulated_grad_.add_(grad);
+  } else {
+    unsharded_accumulated_grad_ = grad;
+  }
+  grad = at::Tensor();
+}
+
+void FSDPParam::accumulate_sharded_grad(const at::Tensor& reduced_padded_chunk) {
+  const int64_t local_numel = c10::multiply_integers(sharded_shape_);
+  TORCH_INTERNAL_ASSERT(reduced_padded_chunk.is_contiguous() && reduced_padded_chunk.numel() >= local_numel);
+  at::Tensor reduced = alias_storage(reduced_padded_chunk, 0, sharded_shape_);
+  c10::NoGradGuard no_grad;
+  // The sharded gradient lives on P while sharded, aside while unsharded.
+  at::Tensor& target = state_ == ShardedState::kSharded ? param_.mutable_grad() : sharded_grad_;
+  if (target.defined()) {
+    target.add_(reduced);
+  } else {
+    target = reduced;
+  }
+}
+
+}  // namespace fsdp::detail

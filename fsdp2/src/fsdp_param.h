@@ -1,0 +1,103 @@
+// Internal: FSDPParam, the owner of one parameter's shard (FSDP2's FSDPParam).
+//
+// [Note: one parameter object] LibTorch modules cannot swap a registered
+// parameter (DESIGN.md section 4), so unlike FSDP2 there is no separate
+// sharded and unsharded parameter object: the module's parameter P changes in
+// place with Tensor::set_data, which keeps P's autograd meta, version counter,
+// .grad and hooks. Its data is
+//   SHARDED               a view of this rank's rows of the padded shard;
+//   UNSHARDED             a full-shape view of the all-gather output buffer.
+//
+// [Note: storage freed in place] The all-gather output buffer is one tensor
+// made once; its StorageImpl is freed and re-allocated in place (never
+// replaced). Autograd saves P itself (unpacked as P's data at backward time)
+// and views of P (weight.t()) that hold the buffer's StorageImpl: freeing it
+// after forward really releases the memory, and re-filling it before backward
+// makes every saved view see the gathered values again (FSDP2's
+// "[Note: FSDP and autograd]").
+//
+// [Note: gradients] During backward P.grad is the full gradient autograd
+// accumulates. A sharded gradient from an earlier backward (gradient
+// accumulation with sync) is moved aside whenever P is unsharded, so autograd
+// never sees a sharded .grad on a full-shape P, and is put back (with the new
+// reduced gradient added) when P is sharded again.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+namespace fsdp::detail {
+
+enum class ShardedState { kSharded, kUnsharded };
+
+class FSDPParam {
+ public:
+  // Shards `param` (full, on its final device) for `shard_rank` of
+  // `shard_world_size` ranks: copies this rank's rows into a zero-padded shard
+  // and points the parameter at them.
+  FSDPParam(at::Tensor param, std::string fqn, int64_t shard_rank, int64_t shard_world_size);
+
+  const at::Tensor& param() const { return param_; }
+  const std::string& fqn() const { return fqn_; }
+  void set_fqn(std::string fqn) { fqn_ = std::move(fqn); }
+  ShardedState state() const { return state_; }
+
+  // Elements of this parameter in each rank's all-gather input (the padded
+  // shard): ceil(dim0 / world) rows of row_numel elements.
+  int64_t padded_shard_numel() const { return padded_shard_numel_; }
+  const std::vector<int64_t>& unsharded_shape() const { return unsharded_shape_; }
+  const std::vector<int64_t>& sharded_shape() const { return sharded_shape_; }
+  int64_t unsharded_numel() const { return unsharded_numel_; }
+  // This rank's padded shard (1-D, padded_shard_numel() elements).
+  const at::Tensor& padded_shard() const { return padded_shard_; }
+  int64_t shard_world_size() const { return world_size_; }
+
+  // Allocates the all-gather output buffer's storage (no-op when allocated)
+  // and returns it viewed as (world, padded_shard_numel) for the copy-out.
+  at::Tensor alloc_all_gather_output_rows();
+  // Frees the buffer's storage in place (see the note above).
+  void free_unsharded_storage();
+  // Bytes held by the unsharded storage now (0 when freed).
+  int64_t unsharded_storage_bytes() const;
+
+  // Points P at the full-shape view of the (filled) buffer.
+  void to_unsharded();
+  // Points P at the shard and frees the buffer.
+  void to_sharded();
+
+  // Takes the full gradient autograd accumulated on P (undefined when P got
+  // none), adding a kept unsharded accumulated gradient (no-sync mode); P.grad
+  // becomes undefined.
+  at::Tensor take_unsharded_grad();
+  // No-sync mode: keeps P's full gradient aside, summed over micro-batches,
+  // until a backward that reduces.
+  void accumulate_unsharded_grad();
+  // Adds a reduced gradient (this rank's padded chunk, padded_shard_numel()
+  // elements) to the sharded gradient.
+  void accumulate_sharded_grad(const at::Tensor& reduced_padded_chunk);
+
+ private:
+  void stash_sharded_grad();
+  void restore_sharded_grad();
+
+  at::Tensor param_;  // P, the module's registered parameter
+  std::string fqn_;
+  int64_t rank_;
+  int64_t world_size_;
+  std::vector<int64_t> unsharded_shape_;
+  std::vector<int64_t> sharded_shape_;
+  int64_t unsharded_numel_;
+  int64_t padded_shard_numel_;
+  at::Tensor padded_shard_;      // this rank's rows, zero-padded, 1-D
+  at::Tensor sharded_view_;      // padded_shard_ rows as P's sharded shape
+  at::Tensor unsharded_buffer_;  // world * padded_shard_numel_, storage freed while sharded
+  at::Tensor unsharded_view_;    // unsharded_buffer_ prefix as P's full shape
+  at::Tensor sharded_grad_;      // a sharded .grad kept aside while unsharded
+  at::Tensor unsharded_accumulated_grad_;  // no-sync accumulation
+  ShardedState state_ = ShardedState::kSharded;
+};
+
+}  // namespace fsdp::detail

@@ -1,0 +1,146 @@
+// Internal: FSDPParamGroup, the parameters of one fully_shard call, gathered
+// with one all-gather and reduced with one reduce-scatter (FSDP2's
+// FSDPParamGroup), and FSDPCommContext, what the groups under one root share.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include "collectives/work.h"
+#include "fsdp2/fully_shard.h"
+#include "fsdp2/module_call.h"
+#include "device_mesh/device_mesh.h"
+#include "fsdp_param.h"
+#include "streams.h"
+
+namespace fsdp::detail {
+
+enum class TrainingState { kIdle, kForward, kPreBackward, kPostBackward };
+
+class FSDPParamGroup;
+
+// Shared by all groups under one root (FSDP2's FSDPCommContext).
+struct FSDPCommContext {
+  explicit FSDPCommContext(c10::Device device) : streams(device) {}
+  StreamSet streams;
+  RuntimeStats stats;
+  // Groups in the order their post-forward ran, for implicit backward
+  // prefetch (each backward prefetches the group that ran before it).
+  std::vector<FSDPParamGroup*> post_forward_order;
+  // [Note: all-gather output lifetime] The last copied-out all-gather output
+  // and the event after its copy-out. The output was allocated on the
+  // all-gather stream, so it is kept alive until the next copy-in (on that
+  // stream's side) has waited for the event; only then may the caching
+  // allocator reuse it.
+  at::Tensor last_all_gather_output;
+  DeviceEvent last_all_gather_done;
+  // The last reduce-scatter's input, kept alive until the next one starts for
+  // the same reason, and the event after it.
+  at::Tensor last_reduce_scatter_input;
+  DeviceEvent last_reduce_scatter_done;
+};
+
+// An issued all-gather.
+struct AllGatherResult {
+  at::Tensor output;  // world * sum(padded_shard_numel)
+  collectives::Work work;
+  DeviceEvent copy_in_done;
+  std::optional<c10::Stream> all_gather_stream;
+};
+
+// A reduce-scatter issued in post-backward, completed later (see
+// FSDPParamGroup::wait_for_post_backward).
+struct PendingReduce {
+  collectives::Work work;
+  at::Tensor output;  // this rank's padded chunks, one per parameter in `params`
+  std::vector<FSDPParam*> params;
+  double post_divide = 1.0;
+  std::optional<c10::Stream> stream;
+};
+
+// Options a user can change on an FSDPModule after fully_shard.
+struct GroupSettings {
+  bool reshard_after_forward = true;
+  bool reshard_after_backward = true;
+  bool reduce_grads = true;  // set_requires_gradient_sync
+  bool unshard_in_backward = true;
+  std::optional<double> gradient_divide_factor;
+  bool force_sum_reduction = false;
+  std::function<void(at::Tensor&)> reduced_grad_hook;
+};
+
+class FSDPParamGroup {
+ public:
+  FSDPParamGroup(std::vector<at::Tensor> params, std::vector<std::string> param_names, DeviceMesh mesh,
+                 c10::Device device);
+  FSDPParamGroup(const FSDPParamGroup&) = delete;
+  FSDPParamGroup& operator=(const FSDPParamGroup&) = delete;
+
+  // Set at the root's lazy init.
+  void lazy_init(FSDPCommContext* comm_ctx, std::string module_fqn);
+  bool initialized() const { return comm_ctx_ != nullptr; }
+  const std::string& module_fqn() const { return module_fqn_; }
+  const std::vector<std::unique_ptr<FSDPParam>>& params() const { return params_; }
+  GroupSettings& settings() { return settings_; }
+  TrainingState training_state() const { return training_state_; }
+  void set_training_state(TrainingState s) { training_state_ = s; }
+  bool is_unsharded() const { return sharded_state_ == ShardedState::kUnsharded; }
+  bool is_sharded() const { return sharded_state_ == ShardedState::kSharded; }
+  const DeviceMesh& mesh() const { return mesh_; }
+  c10::Device device() const { return device_; }
+
+  // Issues the all-gather (copy-in, collective). No-op when unsharded or
+  // already issued. `async_op`: issued for a later wait (explicit prefetch).
+  void unshard(bool async_op);
+  // Waits for the issued all-gather, copies out, and points every parameter
+  // at its unsharded view. No-op when already unsharded.
+  void wait_for_unshard();
+  // Frees the unsharded parameters (honours reshard_after_forward in forward).
+  void reshard();
+
+  void pre_forward(TensorRefs& inputs);
+  void post_forward();
+  void pre_backward(bool default_prefetch);
+  void post_backward();
+  void finalize_backward();
+  // Completes a pending reduce-scatter: waits, divides, runs the hook and
+  // adds the result to the sharded gradients.
+  void wait_for_post_backward();
+
+  int64_t unsharded_storage_bytes() const;
+  std::string with_fqn(const char* label) const;
+
+ private:
+  void to_sharded();
+  void to_unsharded();
+  void backward_prefetch();
+  void register_post_backward(TensorRefs& inputs);
+  collectives::ReduceOp reduce_scatter_op(double* post_divide) const;
+
+  std::vector<std::unique_ptr<FSDPParam>> params_;
+  DeviceMesh mesh_;
+  std::shared_ptr<collectives::Communicator> shard_comm_;
+  c10::Device device_;
+  c10::ScalarType dtype_;
+  std::vector<int64_t> padded_numels_;
+  int64_t padded_total_ = 0;
+  std::string module_fqn_;
+  FSDPCommContext* comm_ctx_ = nullptr;
+  GroupSettings settings_;
+  TrainingState training_state_ = TrainingState::kIdle;
+  ShardedState sharded_state_ = ShardedState::kSharded;
+  std::optional<AllGatherResult> all_gather_;
+  std::vector<size_t> post_forward_indices_;
+  std::optional<PendingReduce> pending_reduce_;
+  DeviceEvent post_reduce_done_;
+  // Lets the post-backward autograd node find this group while it lives.
+  std::shared_ptr<FSDPParamGroup*> self_ref_;
+};
+
+}  // namespace fsdp::detail

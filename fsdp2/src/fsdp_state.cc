@@ -1,0 +1,242 @@
+#include "fsdp_state.h"
+
+#include <unordered_set>
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include "phase.h"
+
+namespace fsdp::detail {
+
+FSDPState::FSDPState(const std::shared_ptr<torch::nn::Module>& module, DeviceMesh mesh, c10::Device device,
+                     std::unique_ptr<FSDPParamGroup> group, std::optional<bool> reshard_after_forward)
+    : module_(module),
+      mesh_(std::move(mesh)),
+      device_(device),
+      group_(std::move(group)),
+      auto_reshard_after_forward_(!reshard_after_forward.has_value()) {
+  if (group_) group_->settings().reshard_after_forward = reshard_after_forward.value_or(true);
+}
+
+std::shared_ptr<torch::nn::Module> FSDPState::module() const {
+  auto m = module_.lock();
+  TORCH_CHECK(m, "fsdp2: the module of this FSDPModule was destroyed");
+  return m;
+}
+
+std::shared_ptr<FSDPState> FSDPState::top() {
+  std::shared_ptr<FSDPState> s = shared_from_this();
+  while (auto p = s->parent()) s = p;
+  return s;
+}
+
+void FSDPState::lazy_init() {
+  if (is_root_.has_value()) return;
+  auto root_module = module();
+  if (auto p = parent()) {
+    TORCH_CHECK(false, "fsdp2: module '", root_module->name(),
+                "' ran its forward hooks before the sharded module that contains it. The outer module's forward "
+                "was called around its hooks: call the root through fsdp::call_module(model, ...), declare its "
+                "holder with FSDP2CPP_MODULE, or use fsdp::Sequential, so that fully_shard can run it.");
+  }
+  is_root_ = true;
+  ctx_ = std::make_shared<FSDPStateContext>(device_);
+  for (const auto& item : root_module->named_modules(/*name_prefix=*/"", /*include_self=*/true)) {
+    auto state = state_of(*item.value());
+    if (!state) continue;
+    if (state.get() != this) {
+      TORCH_CHECK(!state->is_root_.has_value(), "fsdp2: module '", item.key(),
+                  "' was already initialized by an earlier forward; run forward through the root module first");
+      state->is_root_ = false;
+      state->ctx_ = ctx_;
+    }
+    state->fqn_ = item.key();
+    ctx_->all_states.push_back(state);
+  }
+  if (group_ && auto_reshard_after_forward_) {
+    // The root's parameters would be freed and all-gathered again at once
+    // when backward starts, so the root keeps them (FSDP2's default).
+    group_->settings().reshard_after_forward = false;
+  }
+  for (const auto& weak : ctx_->all_states) {
+    auto state = weak.lock();
+    if (!state->group_) continue;
+    const std::string prefix = state->fqn_.empty() ? "" : state->fqn_ + ".";
+    for (const auto& p : state->group_->params()) {
+      if (p->fqn().rfind(prefix, 0) != 0) p->set_fqn(prefix + p->fqn());
+    }
+    state->group_->lazy_init(&ctx_->comm, state->fqn_);
+  }
+}
+
+void FSDPState::pre_forward(TensorRefs& inputs) {
+  if (training_state_ == TrainingState::kPreBackward) {
+    // Recomputation during backward (activation checkpointing): the
+    // pre-backward hook owns the unshard; only make sure it happened.
+    if (group_ && !group_->is_unsharded()) {
+      group_->unshard(false);
+      group_->wait_for_unshard();
+    }
+    return;
+  }
+  training_state_ = TrainingState::kForward;
+  lazy_init();
+  if (*is_root_) root_pre_forward(inputs);
+  if (group_) group_->pre_forward(inputs);
+  for (const auto& weak : forward_prefetch) {
+    if (auto target = weak.lock(); target && target->group_) prefetch_unshard(target->group_.get(), TrainingState::kForward);
+  }
+}
+
+void FSDPState::root_pre_forward(TensorRefs& inputs) {
+  if (ctx_->iter_forward_root != nullptr) return;
+  ctx_->iter_forward_root = this;
+  PhaseScope phase("FSDP::root_pre_forward");
+  StreamSet& streams = ctx_->comm.streams;
+  if (streams.enabled()) {
+    // The next all-gathers read the shards the optimizer just updated.
+    if (post_optim_event) {
+      post_optim_event->block(*streams.all_gather_copy_in());
+      post_optim_event->block(*streams.all_gather());
+      post_optim_event.reset();
+    } else {
+      StreamSet::wait_stream(streams.all_gather_copy_in(), streams.current_stream());
+      StreamSet::wait_stream(streams.all_gather(), streams.current_stream());
+    }
+  }
+  if (device_.type() != c10::kCPU) {
+    PhaseScope to_device("FSDP::inputs_to_device");
+    for (at::Tensor* t : inputs) {
+      if (t->defined() && t->device() != device_) *t = t->to(device_, /*non_blocking=*/true);
+    }
+  }
+}
+
+void FSDPState::post_forward(TensorRefs& outputs) {
+  if (training_state_ == TrainingState::kPreBackward) return;
+  if (group_) {
+    group_->post_forward();
+    // Without autograd no backward will come to reshard: free the unsharded
+    // parameters of every module now, the root's included.
+    if (!c10::GradMode::is_enabled()) group_->reshard();
+  }
+  if (c10::GradMode::is_enabled()) register_pre_backward_hooks(outputs);
+  training_state_ = TrainingState::kIdle;
+  if (ctx_->iter_forward_root == this) {
+    ctx_->iter_forward_root = nullptr;
+    check_no_call_around_hooks();
+  }
+}
+
+void FSDPState::check_no_call_around_hooks() const {
+  // [Note: calls around the hooks] A sharded module whose forward ran outside
+  // call_module computed with its shards. In grad mode autograd then made
+  // the parameter's AccumulateGrad node at the sharded shape (fsdp2 only ever
+  // lets it be made at the full shape), which is how such a call is caught
+  // here, before its output is used. Without autograd such a call fails on
+  // the shapes in the module's own ops (world size > 1), or is correct
+  // (world size 1, where the shard is the whole parameter).
+  for (const auto& weak : ctx_->all_states) {
+    auto s = weak.lock();
+    if (!s || !s->group_ || !s->group_->is_sharded()) continue;
+    for (const auto& p : s->group_->params()) {
+      if (p->sharded_shape() == p->unsharded_shape()) continue;
+      auto node = torch::autograd::impl::try_get_grad_accumulator(p->param());
+      if (!node || node->num_inputs() == 0) continue;
+      const auto sym_shape = node->input_metadata(0).shape_as_dim_vector();
+      std::vector<int64_t> shape;
+      for (const auto& d : sym_shape) shape.push_back(d.guard_int(__FILE__, __LINE__));
+      TORCH_CHECK(shape != p->sharded_shape(), "fsdp2: parameter '", p->fqn(),
+                  "' was used in forward while sharded: module '", s->fqn_,
+                  "' was called around its hooks (e.g. module->forward(x) or a TORCH_MODULE holder). Call it through "
+                  "fsdp::call_module, declare its holder with FSDP2CPP_MODULE, or put it in an fsdp::Sequential.");
+    }
+  }
+}
+
+void FSDPState::register_pre_backward_hooks(TensorRefs& outputs) {
+  std::weak_ptr<FSDPState> weak = weak_from_this();
+  for (at::Tensor* t : outputs) {
+    if (!t->defined() || !t->requires_grad()) continue;
+    t->register_hook([weak](const at::Tensor&) {
+      if (auto s = weak.lock()) s->pre_backward();
+    });
+  }
+}
+
+void FSDPState::pre_backward() {
+  // No early return on the state's own training state: a module used twice
+  // in forward is unsharded again for the earlier use's backward after its
+  // group's post-backward resharded it (the group decides, as in FSDP2).
+  training_state_ = TrainingState::kPreBackward;
+  register_final_callback();
+  const bool default_prefetch = backward_prefetch.empty();
+  if (group_) group_->pre_backward(default_prefetch);
+  if (!default_prefetch) {
+    for (const auto& w : backward_prefetch) {
+      if (auto target = w.lock(); target && target->group_) {
+        prefetch_unshard(target->group_.get(), TrainingState::kPreBackward);
+      }
+    }
+  }
+}
+
+void FSDPState::prefetch_unshard(FSDPParamGroup* target, TrainingState state) {
+  PhaseScope phase(std::string(state == TrainingState::kForward ? "FSDP::forward_prefetch" : "FSDP::backward_prefetch") +
+                   " for " + target->module_fqn());
+  const TrainingState saved = target->training_state();
+  target->set_training_state(state);
+  target->unshard(/*async_op=*/false);
+  target->set_training_state(saved);
+}
+
+void FSDPState::register_final_callback() {
+  if (ctx_->post_backward_final_callback_queued) return;
+  ctx_->post_backward_final_callback_queued = true;
+  std::shared_ptr<FSDPState> root;
+  for (const auto& w : ctx_->all_states) {
+    if (auto s = w.lock(); s && s->is_root_.value_or(false)) root = s;
+  }
+  TORCH_INTERNAL_ASSERT(root);
+  std::weak_ptr<FSDPState> weak_root = root;
+  torch::autograd::Engine::get_default_engine().queue_callback([weak_root] {
+    if (auto r = weak_root.lock()) r->root_post_backward_final_callback();
+  });
+}
+
+void FSDPState::root_post_backward_final_callback() {
+  PhaseScope phase("FSDP::root_post_backward");
+  // Groups whose post-backward did not run (inputs that need no gradient,
+  // outputs not in the loss, parameters unused) are reduced here.
+  for (const auto& w : ctx_->all_states) {
+    auto s = w.lock();
+    if (!s) continue;
+    FSDPParamGroup* g = s->group_.get();
+    if (g && (g->is_unsharded() || !g->settings().unshard_in_backward)) g->post_backward();
+    s->training_state_ = TrainingState::kIdle;
+    if (g) g->set_training_state(TrainingState::kIdle);
+  }
+  ctx_->post_backward_final_callback_queued = false;
+  if (!is_last_backward) return;
+  for (const auto& w : ctx_->all_states) {
+    auto s = w.lock();
+    if (!s || !s->group_) continue;
+    FSDPParamGroup* g = s->group_.get();
+    g->finalize_backward();
+    // One parameter object serves the module and the optimizer here, so a
+    // group left unsharded by reshard_after_backward=false is resharded once
+    // its gradients were reduced: the optimizer must step on the shards.
+    // Without gradient sync it stays unsharded for the next micro-batch.
+    if (g->is_unsharded() && g->settings().reduce_grads) g->reshard();
+  }
+  ctx_->comm.post_forward_order.clear();
+  ctx_->comm.last_reduce_scatter_input = at::Tensor();
+}
+
+}  // namespace fsdp::detail

@@ -1,0 +1,90 @@
+// Internal: FSDPState, the runtime of one fully_shard'ed module (FSDP2's
+// FSDPState): its forward hooks, the root's lazy init and pre-forward, the
+// pre-backward hooks on outputs and the end-of-backward callback.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <c10/core/Device.h>
+#include <c10/core/Event.h>
+#include <torch/nn/module.h>
+
+#include "fsdp2/fully_shard.h"
+#include "fsdp_param_group.h"
+
+namespace fsdp::detail {
+
+class FSDPState;
+
+// Shared by every state under one root (FSDP2's FSDPStateContext +
+// FSDPCommContext).
+struct FSDPStateContext {
+  explicit FSDPStateContext(c10::Device device) : comm(device) {}
+  // Every state under the root, the root first, in module pre-order.
+  std::vector<std::weak_ptr<FSDPState>> all_states;
+  FSDPState* iter_forward_root = nullptr;
+  bool post_backward_final_callback_queued = false;
+  FSDPCommContext comm;
+};
+
+class FSDPState : public std::enable_shared_from_this<FSDPState> {
+ public:
+  FSDPState(const std::shared_ptr<torch::nn::Module>& module, DeviceMesh mesh, c10::Device device,
+            std::unique_ptr<FSDPParamGroup> group, std::optional<bool> reshard_after_forward);
+
+  std::shared_ptr<torch::nn::Module> module() const;
+  const DeviceMesh& mesh() const { return mesh_; }
+  c10::Device device() const { return device_; }
+  FSDPParamGroup* group() const { return group_.get(); }
+  // The nearest enclosing sharded module's state (null for a root).
+  std::shared_ptr<FSDPState> parent() const { return parent_.lock(); }
+  void set_parent(const std::shared_ptr<FSDPState>& parent) { parent_ = parent; }
+  // The outermost enclosing state (this when it has no parent).
+  std::shared_ptr<FSDPState> top();
+  const std::string& fqn() const { return fqn_; }
+
+  // Module hooks.
+  void pre_forward(TensorRefs& inputs);
+  void post_forward(TensorRefs& outputs);
+  void pre_backward();
+
+  // Makes this state the root of its subtree and initializes every state in
+  // it (FQNs, shared streams). Idempotent.
+  void lazy_init();
+  bool initialized() const { return ctx_ != nullptr; }
+  // Shared by the tree under this state's root; null before lazy init.
+  FSDPStateContext* context() const { return ctx_.get(); }
+
+  // FSDPModule settings.
+  std::vector<std::weak_ptr<FSDPState>> forward_prefetch;
+  std::vector<std::weak_ptr<FSDPState>> backward_prefetch;
+  std::shared_ptr<c10::Event> post_optim_event;
+  bool is_last_backward = true;
+
+ private:
+  void root_pre_forward(TensorRefs& inputs);
+  void register_pre_backward_hooks(TensorRefs& outputs);
+  void register_final_callback();
+  void root_post_backward_final_callback();
+  void check_no_call_around_hooks() const;
+  static void prefetch_unshard(FSDPParamGroup* target, TrainingState state);
+
+  std::weak_ptr<torch::nn::Module> module_;
+  DeviceMesh mesh_;
+  c10::Device device_;
+  std::unique_ptr<FSDPParamGroup> group_;
+  bool auto_reshard_after_forward_;
+  std::weak_ptr<FSDPState> parent_;
+  std::optional<bool> is_root_;
+  std::shared_ptr<FSDPStateContext> ctx_;
+  TrainingState training_state_ = TrainingState::kIdle;
+  std::string fqn_;
+};
+
+// The state fully_shard attached to `module`, or null.
+std::shared_ptr<FSDPState> state_of(const torch::nn::Module& module);
+
+}  // namespace fsdp::detail

@@ -1,0 +1,274 @@
+#include "fsdp2/fully_shard.h"
+
+#include <unordered_map>
+#include <unordered_set>
+
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/util/Exception.h>
+
+#include "fsdp2/module_state.h"
+#include "fsdp_state.h"
+
+namespace fsdp {
+namespace detail {
+namespace {
+constexpr const char* kStateKey = "fsdp2.FSDPState";
+}
+
+std::shared_ptr<FSDPState> state_of(const torch::nn::Module& module) {
+  return std::static_pointer_cast<FSDPState>(module_state(module, kStateKey));
+}
+
+namespace {
+
+std::string describe(const torch::nn::Module& m) { return m.name(); }
+
+c10::Device mesh_device(const DeviceMesh& mesh) {
+  if (mesh.device_type() == c10::kCPU) return c10::Device(c10::kCPU);
+  const auto* impl = c10::impl::getDeviceGuardImpl(mesh.device_type());
+  return c10::Device(mesh.device_type(), impl->getDevice().index());
+}
+
+// Every state in `module`'s subtree, excluding `module` itself.
+std::vector<std::shared_ptr<FSDPState>> descendant_states(torch::nn::Module& module) {
+  std::vector<std::shared_ptr<FSDPState>> states;
+  for (const auto& child : module.modules(/*include_self=*/false)) {
+    if (auto s = state_of(*child)) states.push_back(std::move(s));
+  }
+  return states;
+}
+
+}  // namespace
+
+std::vector<std::shared_ptr<FSDPState>> all_states() {
+  std::vector<std::shared_ptr<FSDPState>> states;
+  for (auto& s : module_states(kStateKey)) states.push_back(std::static_pointer_cast<FSDPState>(s));
+  return states;
+}
+
+}  // namespace detail
+
+using detail::FSDPState;
+
+FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, const FullyShardOptions& options) {
+  TORCH_CHECK(module, "fully_shard: the module is null");
+  const std::string name = detail::describe(*module);
+  TORCH_CHECK(!detail::state_of(*module), "fully_shard: already applied to module '", name,
+              "'; apply it once per module");
+  const auto& mp = options.mp_policy;
+  TORCH_CHECK(!mp.param_dtype && !mp.reduce_dtype && !mp.output_dtype && mp.cast_forward_inputs,
+              "fully_shard: module '", name,
+              "': MixedPrecisionPolicy is not supported yet; leave param_dtype, reduce_dtype and output_dtype unset");
+  TORCH_CHECK(!options.offload_policy.offload_to_cpu, "fully_shard: module '", name,
+              "': CPU offload is not supported yet; leave OffloadPolicy::offload_to_cpu false");
+
+  auto children = detail::descendant_states(*module);
+  std::optional<DeviceMesh> mesh = options.mesh;
+  if (!mesh && !children.empty()) mesh = children.front()->mesh();
+  if (!mesh) {
+    TORCH_CHECK(options.world, "fully_shard: module '", name,
+                "': no mesh. Set FullyShardOptions::mesh (fsdp::init_device_mesh) or FullyShardOptions::world");
+    c10::DeviceType type = c10::kCPU;
+    for (const auto& p : module->parameters()) {
+      if (p.defined()) {
+        type = p.device().type();
+        break;
+      }
+    }
+    mesh = init_device_mesh(options.world, type, {options.world->size()});
+  }
+  TORCH_CHECK(mesh->ndim() == 1, "fully_shard: module '", name, "': expected a 1-D mesh, got ", mesh->to_string(),
+              " (HSDP on 2-D meshes is not supported yet)");
+  const c10::Device device = detail::mesh_device(*mesh);
+
+  // Parameters already managed by sharded submodules stay theirs.
+  std::unordered_set<const c10::TensorImpl*> managed;
+  for (const auto& child : children) {
+    if (!child->group()) continue;
+    for (const auto& p : child->group()->params()) managed.insert(p->param().unsafeGetTensorImpl());
+  }
+  // ... and a parameter managed by an enclosing module means the order was
+  // wrong (root before children).
+  for (const auto& item : module->named_parameters(/*recurse=*/true)) {
+    const at::Tensor& p = item.value();
+    TORCH_CHECK(p.defined(), "fully_shard: parameter '", item.key(), "' of module '", name,
+                "' is undefined; initialize every parameter before sharding");
+    if (managed.count(p.unsafeGetTensorImpl())) continue;
+    for (const auto& any : detail::all_states()) {
+      if (!any->group()) continue;
+      for (const auto& fp : any->group()->params()) {
+        TORCH_CHECK(fp->param().unsafeGetTensorImpl() != p.unsafeGetTensorImpl(), "fully_shard: parameter '",
+                    item.key(), "' of module '", name,
+                    "' is already sharded by fully_shard on an enclosing module. Apply fully_shard to submodules "
+                    "first, then to their parents and the root.");
+      }
+    }
+  }
+
+  std::vector<at::Tensor> params;
+  std::vector<std::string> names;
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (const auto& item : module->named_parameters(/*recurse=*/true)) {
+    const at::Tensor& p = item.value();
+    const auto* impl = p.unsafeGetTensorImpl();
+    if (managed.count(impl) || !seen.insert(impl).second) continue;  // shared (tied) once
+    TORCH_CHECK(p.device().type() == device.type() && (device.type() == c10::kCPU || p.device() == device),
+                "fully_shard: parameter '", item.key(), "' of module '", name, "' is on ", p.device(),
+                " but the mesh's device is ", device, "; move the module to ", device, " before sharding");
+    if (!params.empty()) {
+      TORCH_CHECK(p.scalar_type() == params.front().scalar_type(), "fully_shard: module '", name,
+                  "' mixes dtypes in one group: parameter '", names.front(), "' is ", params.front().scalar_type(),
+                  " but '", item.key(), "' is ", p.scalar_type(),
+                  ". Give the parameters one dtype, or shard the differing submodule with its own fully_shard call.");
+    }
+    params.push_back(p);
+    names.push_back(item.key());
+  }
+
+  std::unique_ptr<detail::FSDPParamGroup> group;
+  if (!params.empty()) group = std::make_unique<detail::FSDPParamGroup>(std::move(params), std::move(names), *mesh, device);
+  auto state = std::make_shared<FSDPState>(module, *mesh, device, std::move(group), options.reshard_after_forward);
+  for (const auto& child : children) {
+    if (!child->parent()) child->set_parent(state);
+  }
+  std::weak_ptr<FSDPState> weak = state;
+  // The hooks hold the state weakly; the side table entry owns it.
+  register_forward_pre_hook(*module, [weak](torch::nn::Module&, TensorRefs& inputs) {
+    if (auto s = weak.lock()) s->pre_forward(inputs);
+  });
+  register_forward_hook(*module, [weak](torch::nn::Module&, TensorRefs&, TensorRefs& outputs) {
+    if (auto s = weak.lock()) s->post_forward(outputs);
+  });
+  detail::set_module_state(*module, detail::kStateKey, state);
+  return FSDPModule(state);
+}
+
+std::optional<FSDPModule> fsdp_module_of(const torch::nn::Module& module) {
+  auto state = detail::state_of(module);
+  if (!state) return std::nullopt;
+  return FSDPModule(state);
+}
+
+// --- FSDPModule ------------------------------------------------------------
+
+FSDPModule::FSDPModule(std::shared_ptr<detail::FSDPState> state) : state_(std::move(state)) {
+  TORCH_CHECK(state_, "fsdp2: FSDPModule needs a state");
+}
+
+torch::nn::Module& FSDPModule::module() const { return *state_->module(); }
+std::shared_ptr<torch::nn::Module> FSDPModule::module_ptr() const { return state_->module(); }
+const DeviceMesh& FSDPModule::mesh() const { return state_->mesh(); }
+
+namespace {
+
+// Applies `f` to the state of every sharded module in `root`'s subtree
+// (root included) when `recurse`, else to root's only.
+template <typename F>
+void for_each_state(const std::shared_ptr<FSDPState>& root, bool recurse, F&& f) {
+  if (!recurse) {
+    f(*root);
+    return;
+  }
+  for (const auto& m : root->module()->modules(/*include_self=*/true)) {
+    if (auto s = detail::state_of(*m)) f(*s);
+  }
+}
+
+}  // namespace
+
+UnshardHandle FSDPModule::unshard(bool async_op) {
+  state_->top()->lazy_init();
+  if (auto* g = state_->group()) {
+    g->unshard(async_op);
+    if (!async_op) g->wait_for_unshard();
+  }
+  return UnshardHandle(async_op ? state_ : nullptr);
+}
+
+void UnshardHandle::wait() {
+  if (!state_) return;
+  if (auto* g = state_->group()) g->wait_for_unshard();
+  state_.reset();
+}
+
+void FSDPModule::reshard() {
+  if (auto* g = state_->group()) g->reshard();
+}
+
+void FSDPModule::set_requires_gradient_sync(bool requires_gradient_sync, bool recurse) {
+  for_each_state(state_, recurse, [&](FSDPState& s) {
+    if (s.group()) s.group()->settings().reduce_grads = requires_gradient_sync;
+  });
+}
+
+void FSDPModule::set_reshard_after_forward(bool reshard_after_forward, bool recurse) {
+  for_each_state(state_, recurse, [&](FSDPState& s) {
+    if (s.group()) s.group()->settings().reshard_after_forward = reshard_after_forward;
+  });
+}
+
+void FSDPModule::set_reshard_after_backward(bool reshard_after_backward, bool recurse) {
+  for_each_state(state_, recurse, [&](FSDPState& s) {
+    if (s.group()) s.group()->settings().reshard_after_backward = reshard_after_backward;
+  });
+}
+
+namespace {
+std::vector<std::weak_ptr<FSDPState>> to_weak(const std::vector<FSDPModule>& modules) {
+  std::vector<std::weak_ptr<FSDPState>> result;
+  result.reserve(modules.size());
+  for (const auto& m : modules) result.push_back(m.state());
+  return result;
+}
+}  // namespace
+
+void FSDPModule::set_modules_to_forward_prefetch(const std::vector<FSDPModule>& modules) {
+  state_->forward_prefetch = to_weak(modules);
+}
+
+void FSDPModule::set_modules_to_backward_prefetch(const std::vector<FSDPModule>& modules) {
+  state_->backward_prefetch = to_weak(modules);
+}
+
+void FSDPModule::set_unshard_in_backward(bool unshard_in_backward) {
+  if (auto* g = state_->group()) g->settings().unshard_in_backward = unshard_in_backward;
+}
+
+void FSDPModule::set_post_optim_event(std::shared_ptr<c10::Event> event) {
+  TORCH_CHECK(event, "set_post_optim_event: the event is null");
+  state_->top()->post_optim_event = std::move(event);
+}
+
+void FSDPModule::set_gradient_divide_factor(double factor) {
+  TORCH_CHECK(factor > 0, "set_gradient_divide_factor: the factor must be positive, got ", factor);
+  for_each_state(state_, true, [&](FSDPState& s) {
+    if (s.group()) s.group()->settings().gradient_divide_factor = factor;
+  });
+}
+
+void FSDPModule::set_force_sum_reduction_for_comms(bool force_sum) {
+  for_each_state(state_, true, [&](FSDPState& s) {
+    if (s.group()) s.group()->settings().force_sum_reduction = force_sum;
+  });
+}
+
+void FSDPModule::set_all_reduce_hook(std::function<void(at::Tensor&)> hook) {
+  if (auto* g = state_->group()) g->settings().reduced_grad_hook = std::move(hook);
+}
+
+void FSDPModule::set_is_last_backward(bool is_last_backward) { state_->top()->is_last_backward = is_last_backward; }
+
+RuntimeStats FSDPModule::runtime_stats() const {
+  auto* ctx = state_->context();
+  return ctx ? ctx->comm.stats : RuntimeStats{};
+}
+
+void FSDPModule::reset_runtime_stats() {
+  if (auto* ctx = state_->context()) ctx->comm.stats = RuntimeStats{};
+}
+
+int64_t FSDPModule::unsharded_bytes() const {
+  return state_->group() ? state_->group()->unsharded_storage_bytes() : 0;
+}
+
+}  // namespace fsdp

@@ -1,0 +1,191 @@
+#include "fsdp2/module_call.h"
+
+#include <map>
+#include <mutex>
+#include <unordered_map>
+
+#include <c10/util/Exception.h>
+
+#include "fsdp2/module_state.h"
+
+namespace fsdp {
+namespace {
+
+// [Note: the module side table] LibTorch modules have no slot for hooks or
+// for a runtime's per-module state (Python keeps both in the module's
+// __dict__), and adding a child module would change named_modules() and
+// serialization. So hooks and states live in this process-wide table, keyed
+// by module address and validated with a weak reference, so that a new
+// module at a dead module's address never inherits its entry. Entries of
+// destroyed modules are dropped on the next registration.
+struct Entry {
+  std::weak_ptr<torch::nn::Module> module;
+  std::shared_ptr<const detail::ModuleHooks> hooks;  // copy-on-write
+  std::map<std::string, std::shared_ptr<void>> states;
+};
+
+class Registry {
+ public:
+  static Registry& instance() {
+    static Registry registry;
+    return registry;
+  }
+
+  template <typename F>
+  auto with_entry(torch::nn::Module& module, F&& f) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    sweep();
+    Entry& e = entries_[&module];
+    if (e.module.expired()) {
+      std::weak_ptr<torch::nn::Module> weak;
+      try {
+        weak = module.shared_from_this();
+      } catch (const std::bad_weak_ptr&) {
+        entries_.erase(&module);
+        TORCH_CHECK(false, "fsdp2: module '", module.name(),
+                    "' is not owned by a std::shared_ptr; make it with std::make_shared or a module holder");
+      }
+      e = Entry{weak, nullptr, {}};
+    }
+    return f(e);
+  }
+
+  const Entry* find_locked(const torch::nn::Module& module) {
+    auto it = entries_.find(&module);
+    if (it == entries_.end() || it->second.module.expired()) return nullptr;
+    return &it->second;
+  }
+
+  std::shared_ptr<const detail::ModuleHooks> hooks_of(const torch::nn::Module& module) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const Entry* e = find_locked(module);
+    return e ? e->hooks : nullptr;
+  }
+
+  std::shared_ptr<void> state_of(const torch::nn::Module& module, const std::string& key) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const Entry* e = find_locked(module);
+    if (!e) return nullptr;
+    auto it = e->states.find(key);
+    return it == e->states.end() ? nullptr : it->second;
+  }
+
+  std::vector<std::shared_ptr<void>> states_with_key(const std::string& key) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::vector<std::shared_ptr<void>> result;
+    for (const auto& [module, e] : entries_) {
+      if (e.module.expired()) continue;
+      auto it = e.states.find(key);
+      if (it != e.states.end()) result.push_back(it->second);
+    }
+    return result;
+  }
+
+  HookId next_id() { return ++next_id_; }
+
+ private:
+  void sweep() {
+    for (auto it = entries_.begin(); it != entries_.end();) {
+      it = it->second.module.expired() ? entries_.erase(it) : std::next(it);
+    }
+  }
+
+  std::mutex mutex_;
+  std::unordered_map<const torch::nn::Module*, Entry> entries_;
+  HookId next_id_ = 0;
+};
+
+}  // namespace
+
+HookId register_forward_pre_hook(torch::nn::Module& module, ForwardPreHook hook) {
+  TORCH_CHECK(hook, "fsdp2: register_forward_pre_hook got an empty hook");
+  auto& r = Registry::instance();
+  return r.with_entry(module, [&](Entry& e) {
+    auto hooks = e.hooks ? std::make_shared<detail::ModuleHooks>(*e.hooks) : std::make_shared<detail::ModuleHooks>();
+    const HookId id = r.next_id();
+    hooks->pre.emplace_back(id, std::move(hook));
+    e.hooks = std::move(hooks);
+    return id;
+  });
+}
+
+HookId register_forward_hook(torch::nn::Module& module, ForwardHook hook) {
+  TORCH_CHECK(hook, "fsdp2: register_forward_hook got an empty hook");
+  auto& r = Registry::instance();
+  return r.with_entry(module, [&](Entry& e) {
+    auto hooks = e.hooks ? std::make_shared<detail::ModuleHooks>(*e.hooks) : std::make_shared<detail::ModuleHooks>();
+    const HookId id = r.next_id();
+    hooks->post.emplace_back(id, std::move(hook));
+    e.hooks = std::move(hooks);
+    return id;
+  });
+}
+
+void remove_hook(torch::nn::Module& module, HookId id) {
+  Registry::instance().with_entry(module, [&](Entry& e) {
+    auto hooks = e.hooks ? std::make_shared<detail::ModuleHooks>(*e.hooks) : std::make_shared<detail::ModuleHooks>();
+    const size_t before = hooks->pre.size() + hooks->post.size();
+    auto matches = [id](const auto& h) { return h.first == id; };
+    hooks->pre.erase(std::remove_if(hooks->pre.begin(), hooks->pre.end(), matches), hooks->pre.end());
+    hooks->post.erase(std::remove_if(hooks->post.begin(), hooks->post.end(), matches), hooks->post.end());
+    TORCH_CHECK(hooks->pre.size() + hooks->post.size() < before, "fsdp2: hook ", id,
+                " is not registered on module '", module.name(), "'");
+    e.hooks = hooks->pre.empty() && hooks->post.empty() ? nullptr : std::move(hooks);
+  });
+}
+
+bool has_forward_hooks(const torch::nn::Module& module) { return Registry::instance().hooks_of(module) != nullptr; }
+
+namespace detail {
+
+std::shared_ptr<const ModuleHooks> hooks_of(const torch::nn::Module& module) {
+  return Registry::instance().hooks_of(module);
+}
+
+void run_pre_hooks(const ModuleHooks& hooks, torch::nn::Module& module, TensorRefs& inputs) {
+  for (const auto& [id, hook] : hooks.pre) hook(module, inputs);
+}
+
+void run_post_hooks(const ModuleHooks& hooks, torch::nn::Module& module, TensorRefs& inputs, TensorRefs& outputs) {
+  for (const auto& [id, hook] : hooks.post) hook(module, inputs, outputs);
+}
+
+at::Tensor call_sequential(torch::nn::SequentialImpl& sequential, at::Tensor input) {
+  auto hooks = hooks_of(sequential);
+  TensorRefs inputs{&input};
+  if (hooks) run_pre_hooks(*hooks, sequential, inputs);
+  at::Tensor x = input;
+  for (auto& child : sequential) {
+    auto child_hooks = hooks_of(*child.ptr());
+    TensorRefs child_inputs{&x};
+    if (child_hooks) run_pre_hooks(*child_hooks, *child.ptr(), child_inputs);
+    at::Tensor y = child.forward<at::Tensor>(x);
+    TensorRefs child_outputs{&y};
+    if (child_hooks) run_post_hooks(*child_hooks, *child.ptr(), child_inputs, child_outputs);
+    x = std::move(y);
+  }
+  TensorRefs outputs{&x};
+  if (hooks) run_post_hooks(*hooks, sequential, inputs, outputs);
+  return x;
+}
+
+void set_module_state(torch::nn::Module& module, const std::string& key, std::shared_ptr<void> state) {
+  Registry::instance().with_entry(module, [&](Entry& e) {
+    if (state) {
+      e.states[key] = std::move(state);
+    } else {
+      e.states.erase(key);
+    }
+  });
+}
+
+std::shared_ptr<void> module_state(const torch::nn::Module& module, const std::string& key) {
+  return Registry::instance().state_of(module, key);
+}
+
+std::vector<std::shared_ptr<void>> module_states(const std::string& key) {
+  return Registry::instance().states_with_key(key);
+}
+
+}  // namespace detail
+}  // namespace fsdp

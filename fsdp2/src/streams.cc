@@ -1,0 +1,55 @@
+#include "streams.h"
+
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
+namespace fsdp::detail {
+namespace {
+
+bool has_streams(c10::DeviceType type) { return type != c10::kCPU && type != c10::kMeta; }
+
+}  // namespace
+
+DeviceEvent DeviceEvent::record(const std::optional<c10::Stream>& stream) {
+  DeviceEvent e;
+  if (!stream) return e;
+  e.event_ = std::make_shared<c10::Event>(stream->device_type());
+  e.event_->record(*stream);
+  return e;
+}
+
+void DeviceEvent::block(const std::optional<c10::Stream>& stream) const {
+  if (event_ && stream) event_->block(*stream);
+}
+
+void DeviceEvent::synchronize() const {
+  if (event_) event_->synchronize();
+}
+
+StreamSet::StreamSet(c10::Device device) : device_(device) {
+  if (!has_streams(device.type())) return;
+  c10::impl::VirtualGuardImpl impl(device.type());
+  // Copy-in and all-gather are high priority so that a prefetched all-gather
+  // is not queued behind compute kernels (FSDP2 does the same).
+  all_gather_copy_in_ = impl.getStreamFromGlobalPool(device, /*isHighPriority=*/true);
+  all_gather_ = impl.getStreamFromGlobalPool(device, /*isHighPriority=*/true);
+  reduce_scatter_ = impl.getStreamFromGlobalPool(device, /*isHighPriority=*/true);
+  all_reduce_ = impl.getStreamFromGlobalPool(device, /*isHighPriority=*/false);
+}
+
+std::optional<c10::Stream> StreamSet::current_stream() const {
+  if (!has_streams(device_.type())) return std::nullopt;
+  return c10::impl::VirtualGuardImpl(device_.type()).getStream(device_);
+}
+
+void StreamSet::wait_stream(const std::optional<c10::Stream>& waiter, const std::optional<c10::Stream>& stream) {
+  if (!waiter || !stream || *waiter == *stream) return;
+  DeviceEvent::record(stream).block(waiter);
+}
+
+void StreamSet::record_stream(const at::Tensor& t, const std::optional<c10::Stream>& stream) {
+  if (!stream || !t.defined() || !t.has_storage()) return;
+  c10::impl::VirtualGuardImpl(stream->device_type()).recordDataPtrOnStream(t.storage().data_ptr(), *stream);
+}
+
+}  // namespace fsdp::detail
