@@ -271,4 +271,18 @@ std::shared_ptr<Communicator> World::new_group(const std::vector<int>& ranks, c1
   return std::make_shared<Communicator>(std::move(backend), kind, device_type, group_rank, ranks, options);
 }
 
+std::shared_ptr<Communicator> World::shared_group(const std::vector<int>& ranks, c10::DeviceType device_type,
+                                                  const CommunicatorOptions& options) {
+  std::string key = std::to_string(static_cast<int>(device_type)) + "/" + to_string(options.backend) + ":";
+  for (int r : ranks) key += std::to_string(r) + ",";
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (auto existing = shared_groups_[key].lock()) return existing;
+  }
+  auto group = new_group(ranks, device_type, options);
+  std::lock_guard<std::mutex> lock(mutex_);
+  shared_groups_[key] = group;
+  return group;
+}
+
 }  // namespace fsdp::collectives

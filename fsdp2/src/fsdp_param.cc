@@ -37,7 +37,8 @@ at::Tensor alias_storage(const at::Tensor& base, int64_t offset, c10::IntArrayRe
 
 }  // namespace
 
-FSDPParam::FSDPParam(at::Tensor param, std::string fqn, int64_t shard_rank, int64_t shard_world_size)
+FSDPParam::FSDPParam(at::Tensor param, std::string fqn, int64_t shard_rank, int64_t shard_world_size,
+                     c10::ScalarType param_dtype)
     : param_(std::move(param)), fqn_(std::move(fqn)), rank_(shard_rank), world_size_(shard_world_size) {
   unsharded_shape_ = param_.sizes().vec();
   unsharded_numel_ = param_.numel();
@@ -59,7 +60,7 @@ FSDPParam::FSDPParam(at::Tensor param, std::string fqn, int64_t shard_rank, int6
   padded_shard_.narrow(0, 0, local_rows * row_numel).copy_(full.narrow(0, offset, local_rows).reshape({-1}));
   sharded_view_ = padded_shard_.narrow(0, 0, local_rows * row_numel).view(sharded_shape_);
 
-  unsharded_buffer_ = at::empty({world_size_ * padded_shard_numel_}, options);
+  unsharded_buffer_ = at::empty({world_size_ * padded_shard_numel_}, options.dtype(param_dtype));
   unsharded_view_ = unsharded_buffer_.narrow(0, 0, unsharded_numel_).view(unsharded_shape_);
   free_storage(unsharded_buffer_);
 
@@ -145,8 +146,11 @@ void FSDPParam::accumulate_unsharded_grad() {
 void FSDPParam::accumulate_sharded_grad(const at::Tensor& reduced_padded_chunk) {
   const int64_t local_numel = c10::multiply_integers(sharded_shape_);
   TORCH_INTERNAL_ASSERT(reduced_padded_chunk.is_contiguous() && reduced_padded_chunk.numel() >= local_numel);
-  at::Tensor reduced = alias_storage(reduced_padded_chunk, 0, sharded_shape_);
   c10::NoGradGuard no_grad;
+  at::Tensor reduced = reduced_padded_chunk.scalar_type() == orig_dtype()
+                           ? reduced_padded_chunk
+                           : reduced_padded_chunk.narrow(0, 0, local_numel).to(orig_dtype());
+  reduced = alias_storage(reduced, 0, sharded_shape_);
   // The sharded gradient lives on P while sharded, aside while unsharded.
   at::Tensor& target = state_ == ShardedState::kSharded ? param_.mutable_grad() : sharded_grad_;
   if (target.defined()) {

@@ -21,6 +21,12 @@
 // accumulation with sync) is moved aside whenever P is unsharded, so autograd
 // never sees a sharded .grad on a full-shape P, and is put back (with the new
 // reduced gradient added) when P is sharded again.
+//
+// [Note: mixed precision] With a param_dtype, the unsharded view is in that
+// dtype and set_data switches P's dtype with its state. set_data to another
+// dtype drops P's AccumulateGrad node, which is harmless here: fsdp2 hooks
+// module inputs and outputs, never the node, and a new node is made (at the
+// full shape, in param_dtype) at the next use of the unsharded P.
 #pragma once
 
 #include <cstdint>
@@ -31,14 +37,20 @@
 
 namespace fsdp::detail {
 
-enum class ShardedState { kSharded, kUnsharded };
+// A group's state; a parameter is only ever kSharded or kUnsharded (in
+// kShardedPostForward its parameters are sharded and the group keeps a
+// second, larger shard for the next all-gather).
+enum class ShardedState { kSharded, kShardedPostForward, kUnsharded };
 
 class FSDPParam {
  public:
   // Shards `param` (full, on its final device) for `shard_rank` of
   // `shard_world_size` ranks: copies this rank's rows into a zero-padded shard
   // and points the parameter at them.
-  FSDPParam(at::Tensor param, std::string fqn, int64_t shard_rank, int64_t shard_world_size);
+  // The unsharded parameter (all-gather output) is in `param_dtype`, which
+  // may differ from the parameter's own dtype (mixed precision).
+  FSDPParam(at::Tensor param, std::string fqn, int64_t shard_rank, int64_t shard_world_size,
+            c10::ScalarType param_dtype);
 
   const at::Tensor& param() const { return param_; }
   const std::string& fqn() const { return fqn_; }
@@ -54,6 +66,10 @@ class FSDPParam {
   // This rank's padded shard (1-D, padded_shard_numel() elements).
   const at::Tensor& padded_shard() const { return padded_shard_; }
   int64_t shard_world_size() const { return world_size_; }
+  // The dtype of the sharded parameter, its gradient and the optimizer.
+  c10::ScalarType orig_dtype() const { return padded_shard_.scalar_type(); }
+  // The dtype of the unsharded parameter.
+  c10::ScalarType param_dtype() const { return unsharded_buffer_.scalar_type(); }
 
   // Allocates the all-gather output buffer's storage (no-op when allocated)
   // and returns it viewed as (world, padded_shard_numel) for the copy-out.
@@ -76,7 +92,7 @@ class FSDPParam {
   // until a backward that reduces.
   void accumulate_unsharded_grad();
   // Adds a reduced gradient (this rank's padded chunk, padded_shard_numel()
-  // elements) to the sharded gradient.
+  // elements, any dtype) to the sharded gradient, in orig_dtype().
   void accumulate_sharded_grad(const at::Tensor& reduced_padded_chunk);
 
  private:

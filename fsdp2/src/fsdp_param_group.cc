@@ -47,14 +47,20 @@ struct PostBackwardFunction : torch::autograd::Function<PostBackwardFunction> {
 }  // namespace
 
 FSDPParamGroup::FSDPParamGroup(std::vector<at::Tensor> params, std::vector<std::string> param_names, DeviceMesh mesh,
-                               c10::Device device)
-    : mesh_(std::move(mesh)), device_(device), self_ref_(std::make_shared<FSDPParamGroup*>(this)) {
+                               c10::Device device, const MixedPrecisionPolicy& mp_policy,
+                               std::shared_ptr<collectives::Communicator> post_forward_comm)
+    : mesh_(std::move(mesh)),
+      post_forward_comm_(std::move(post_forward_comm)),
+      device_(device),
+      self_ref_(std::make_shared<FSDPParamGroup*>(this)) {
   TORCH_INTERNAL_ASSERT(!params.empty());
   shard_comm_ = mesh_.group(mesh_.ndim() - 1);
-  dtype_ = params.front().scalar_type();
+  if (mesh_.ndim() == 2) replicate_comm_ = mesh_.group(0);
+  param_dtype_ = mp_policy.param_dtype.value_or(params.front().scalar_type());
+  reduce_dtype_ = mp_policy.reduce_dtype.value_or(param_dtype_);
   for (size_t i = 0; i < params.size(); ++i) {
     params_.push_back(std::make_unique<FSDPParam>(std::move(params[i]), std::move(param_names[i]),
-                                                  shard_comm_->rank(), shard_comm_->size()));
+                                                  shard_comm_->rank(), shard_comm_->size(), param_dtype_));
     padded_numels_.push_back(params_.back()->padded_shard_numel());
     padded_total_ += padded_numels_.back();
   }
@@ -85,7 +91,12 @@ void FSDPParamGroup::unshard(bool async_op) {
     copy_in_stream = streams.all_gather_copy_in();
     all_gather_stream = streams.all_gather();
   }
-  const auto options = params_.front()->padded_shard().options();
+  // After a reshard to a smaller world, the all-gather runs within the
+  // post-forward group from this rank's larger shard; the output has the same
+  // rank-major layout either way, so the copy-out is the same.
+  const bool from_post_forward = sharded_state_ == ShardedState::kShardedPostForward;
+  const auto& comm = from_post_forward ? post_forward_comm_ : shard_comm_;
+  const auto options = params_.front()->padded_shard().options().dtype(param_dtype_);
   const int64_t world = shard_comm_->size();
   at::Tensor output;
   at::Tensor input;
@@ -97,14 +108,27 @@ void FSDPParamGroup::unshard(bool async_op) {
     comm_ctx_->last_all_gather_done = DeviceEvent();
     comm_ctx_->last_all_gather_output = at::Tensor();
     output = at::empty({world * padded_total_}, options);
-    // NCCL gathers in place from the output's own slice; Gloo gets a separate
-    // input, as its all-gather copies the input into the output first.
-    input = streams.enabled() ? output.narrow(0, shard_comm_->rank() * padded_total_, padded_total_)
-                              : at::empty({padded_total_}, options);
-    std::vector<at::Tensor> sources;
-    sources.reserve(params_.size());
-    for (const auto& p : params_) sources.push_back(p->padded_shard());
-    at::_foreach_copy_(input.split_with_sizes(padded_numels_), sources);
+    const int64_t input_numel = output.numel() / comm->size();
+    c10::NoGradGuard no_grad;
+    if (from_post_forward && !streams.enabled()) {
+      input = post_forward_shard_;
+    } else {
+      // NCCL gathers in place from the output's own slice; Gloo gets a
+      // separate input, as its all-gather copies the input into the output.
+      input = streams.enabled() ? output.narrow(0, comm->rank() * input_numel, input_numel)
+                                : at::empty({input_numel}, options);
+      if (from_post_forward) {
+        input.copy_(post_forward_shard_);
+      } else {
+        std::vector<at::Tensor> sources;
+        sources.reserve(params_.size());
+        for (const auto& p : params_) {
+          // Mixed precision: the shard is cast to param_dtype on the way in.
+          sources.push_back(p->orig_dtype() == param_dtype_ ? p->padded_shard() : p->padded_shard().to(param_dtype_));
+        }
+        at::_foreach_copy_(input.split_with_sizes(padded_numels_), sources);
+      }
+    }
   }
   AllGatherResult result;
   result.copy_in_done = DeviceEvent::record(copy_in_stream);
@@ -112,10 +136,10 @@ void FSDPParamGroup::unshard(bool async_op) {
   {
     OptionalStreamGuard guard(all_gather_stream);
     result.copy_in_done.block(all_gather_stream);
-    result.work = shard_comm_->all_gather_into_tensor(output, input);
+    result.work = comm->all_gather_into_tensor(output, input);
   }
   comm_ctx_->stats.all_gathers += 1;
-  comm_ctx_->stats.all_gather_bytes += (world - 1) * padded_total_ * static_cast<int64_t>(output.element_size());
+  comm_ctx_->stats.all_gather_bytes += (output.numel() - input.numel()) * static_cast<int64_t>(output.element_size());
   result.output = std::move(output);
   all_gather_ = std::move(result);
 }
@@ -150,25 +174,54 @@ void FSDPParamGroup::wait_for_unshard() {
 }
 
 void FSDPParamGroup::reshard() {
-  if (training_state_ == TrainingState::kForward && !settings_.reshard_after_forward) return;
   if (all_gather_) {
     // An all-gather that was issued but never waited for (a prefetch that
     // was not used): its buffers must outlive the collective.
     all_gather_->work.wait();
     all_gather_.reset();
   }
+  if (training_state_ == TrainingState::kForward) {
+    if (!settings_.reshard_after_forward) return;
+    if (post_forward_comm_) {
+      to_sharded_post_forward();
+      return;
+    }
+  }
   to_sharded();
 }
 
 void FSDPParamGroup::to_sharded() {
   if (is_sharded()) return;
-  for (const auto& p : params_) p->to_sharded();
+  if (sharded_state_ == ShardedState::kUnsharded) {
+    for (const auto& p : params_) p->to_sharded();
+  }
+  post_forward_shard_ = at::Tensor();
   sharded_state_ = ShardedState::kSharded;
+}
+
+void FSDPParamGroup::to_sharded_post_forward() {
+  if (!is_unsharded()) return;
+  // This rank keeps the all-gather output rows of its 1/k of the shard
+  // ranks, laid out as those ranks' all-gather inputs (rank-major, then
+  // parameter order), so that an all-gather within the post-forward group
+  // rebuilds the whole output.
+  const int64_t rows_per_rank = shard_comm_->size() / post_forward_comm_->size();
+  const int64_t first_row = post_forward_comm_->rank() * rows_per_rank;
+  std::vector<at::Tensor> pieces;
+  pieces.reserve(params_.size());
+  for (const auto& p : params_) pieces.push_back(p->alloc_all_gather_output_rows().narrow(0, first_row, rows_per_rank));
+  {
+    c10::NoGradGuard no_grad;
+    post_forward_shard_ = at::cat(pieces, /*dim=*/1).reshape({-1});
+  }
+  for (const auto& p : params_) p->to_sharded();
+  sharded_state_ = ShardedState::kShardedPostForward;
 }
 
 void FSDPParamGroup::to_unsharded() {
   if (is_unsharded()) return;
   for (const auto& p : params_) p->to_unsharded();
+  post_forward_shard_ = at::Tensor();
   sharded_state_ = ShardedState::kUnsharded;
 }
 
@@ -226,17 +279,24 @@ void FSDPParamGroup::backward_prefetch() {
   target->training_state_ = saved;
 }
 
-collectives::ReduceOp FSDPParamGroup::reduce_scatter_op(double* post_divide) const {
+void FSDPParamGroup::reduce_ops(collectives::ReduceOp* reduce_scatter, collectives::ReduceOp* all_reduce,
+                                double* post_divide) const {
+  const double dp_size =
+      static_cast<double>(shard_comm_->size()) * (replicate_comm_ ? static_cast<double>(replicate_comm_->size()) : 1.0);
   *post_divide = 1.0;
-  const double world = static_cast<double>(shard_comm_->size());
   if (settings_.force_sum_reduction) {
-    *post_divide = settings_.gradient_divide_factor.value_or(world);
-    return collectives::ReduceOp::sum();
+    *reduce_scatter = collectives::ReduceOp::sum();
+    *all_reduce = collectives::ReduceOp::sum();
+    *post_divide = settings_.gradient_divide_factor.value_or(dp_size);
+  } else if (settings_.gradient_divide_factor) {
+    *reduce_scatter = collectives::ReduceOp::premul_sum(1.0 / *settings_.gradient_divide_factor);
+    *all_reduce = collectives::ReduceOp::sum();
+  } else {
+    // AVG over the shard group, then over the replicas: the average over the
+    // whole data-parallel world.
+    *reduce_scatter = collectives::ReduceOp::avg();
+    *all_reduce = collectives::ReduceOp::avg();
   }
-  if (settings_.gradient_divide_factor) {
-    return collectives::ReduceOp::premul_sum(1.0 / *settings_.gradient_divide_factor);
-  }
-  return collectives::ReduceOp::avg();
 }
 
 void FSDPParamGroup::post_backward() {
@@ -244,7 +304,7 @@ void FSDPParamGroup::post_backward() {
   training_state_ = TrainingState::kPostBackward;
   // A sharded group has no full gradients: autograd cannot have accumulated
   // into its sharded parameters (their .grad, if any, is sharded already).
-  if (is_sharded()) return;
+  if (!is_unsharded()) return;
   if (!settings_.reduce_grads) {
     for (const auto& p : params_) p->accumulate_unsharded_grad();
     if (settings_.reshard_after_backward) to_sharded();
@@ -278,20 +338,23 @@ void FSDPParamGroup::post_backward() {
   for (size_t i = 0; i < grads.size(); ++i) {
     total += params_with_grad[i]->padded_shard_numel();
     const int64_t rows = grads[i].dim() == 0 ? 1 : grads[i].size(0);
-    grads_2d.push_back(grads[i].reshape({rows, rows == 0 ? 0 : grads[i].numel() / rows}));
+    at::Tensor g = grads[i].scalar_type() == reduce_dtype_ ? grads[i] : grads[i].to(reduce_dtype_);
+    grads_2d.push_back(g.reshape({rows, rows == 0 ? 0 : g.numel() / rows}));
     // The gradients were made on the current stream and are read on the
     // reduce-scatter stream: keep their memory until that stream is done.
     StreamSet::record_stream(grads[i], rs_stream);
   }
   comm_ctx_->last_reduce_scatter_input = at::Tensor();
-  at::Tensor input = at::empty({world, total}, grads.front().options());
+  at::Tensor input = at::empty({world, total}, grads.front().options().dtype(reduce_dtype_));
   {
     c10::NoGradGuard no_grad;
     at::_chunk_cat_out(input, grads_2d, /*dim=*/0, /*num_chunks=*/world);
   }
   at::Tensor output = at::empty({total}, input.options());
   double post_divide = 1.0;
-  const collectives::ReduceOp op = reduce_scatter_op(&post_divide);
+  collectives::ReduceOp op = collectives::ReduceOp::sum();
+  collectives::ReduceOp all_reduce_op = collectives::ReduceOp::sum();
+  reduce_ops(&op, &all_reduce_op, &post_divide);
   FSDP2CPP_LOG_DEBUG(with_fqn("FSDP::reduce_scatter") + " op " + op.to_string() + ", " + std::to_string(total) +
                      " elements per rank");
   collectives::Work work;
@@ -301,7 +364,8 @@ void FSDPParamGroup::post_backward() {
   }
   comm_ctx_->stats.reduce_scatters += 1;
   comm_ctx_->stats.reduce_scatter_bytes += input.numel() * static_cast<int64_t>(input.element_size());
-  pending_reduce_ = PendingReduce{std::move(work), std::move(output), std::move(params_with_grad), post_divide,
+  pending_reduce_ = PendingReduce{std::move(work),     std::move(output), std::move(params_with_grad),
+                                  all_reduce_op,       post_divide,       settings_.all_reduce_grads,
                                   rs_stream};
   comm_ctx_->last_reduce_scatter_input = std::move(input);
   // On CPU the reduce-scatter runs on Gloo's threads while backward goes on;
@@ -322,6 +386,36 @@ void FSDPParamGroup::wait_for_post_backward() {
   comm_ctx_->stats.reduce_scatter_wait_seconds +=
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   c10::NoGradGuard no_grad;
+  if (replicate_comm_) {
+    if (!pending.all_reduce) {
+      // set_requires_all_reduce(false): keep the partial sum for the next
+      // backward that all-reduces; no gradient is final yet.
+      if (partial_reduce_output_.defined()) {
+        TORCH_CHECK(partial_reduce_output_.sizes() == pending.output.sizes(), "fsdp2: module '", module_fqn_,
+                    "': the parameters with gradients changed between backwards without all-reduce");
+        partial_reduce_output_.add_(pending.output);
+      } else {
+        partial_reduce_output_ = pending.output;
+      }
+      return;
+    }
+    if (partial_reduce_output_.defined()) {
+      pending.output.add_(partial_reduce_output_);
+      partial_reduce_output_ = at::Tensor();
+    }
+    PhaseScope phase(with_fqn("FSDP::all_reduce"));
+    const std::optional<c10::Stream> ar_stream = comm_ctx_->streams.all_reduce();
+    StreamSet::wait_stream(ar_stream, pending.stream);
+    StreamSet::record_stream(pending.output, ar_stream);
+    OptionalStreamGuard ar_guard(ar_stream);
+    collectives::Work ar = replicate_comm_->all_reduce(pending.output, pending.all_reduce_op);
+    const auto ar_start = std::chrono::steady_clock::now();
+    ar.wait();
+    comm_ctx_->stats.reduce_scatter_wait_seconds +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - ar_start).count();
+    pending.stream = ar_stream;
+  }
+  OptionalStreamGuard post_guard(pending.stream);
   if (pending.post_divide != 1.0) pending.output.div_(pending.post_divide);
   if (settings_.reduced_grad_hook) settings_.reduced_grad_hook(pending.output);
   int64_t offset = 0;
@@ -345,7 +439,7 @@ void FSDPParamGroup::finalize_backward() {
 }
 
 int64_t FSDPParamGroup::unsharded_storage_bytes() const {
-  int64_t total = 0;
+  int64_t total = post_forward_shard_.defined() ? post_forward_shard_.nbytes() : 0;
   for (const auto& p : params_) total += p->unsharded_storage_bytes();
   return total;
 }

@@ -60,7 +60,9 @@ struct PendingReduce {
   collectives::Work work;
   at::Tensor output;  // this rank's padded chunks, one per parameter in `params`
   std::vector<FSDPParam*> params;
+  collectives::ReduceOp all_reduce_op = collectives::ReduceOp::sum();
   double post_divide = 1.0;
+  bool all_reduce = true;  // HSDP: set_requires_all_reduce when it was issued
   std::optional<c10::Stream> stream;
 };
 
@@ -68,7 +70,8 @@ struct PendingReduce {
 struct GroupSettings {
   bool reshard_after_forward = true;
   bool reshard_after_backward = true;
-  bool reduce_grads = true;  // set_requires_gradient_sync
+  bool reduce_grads = true;     // set_requires_gradient_sync
+  bool all_reduce_grads = true;  // set_requires_all_reduce (HSDP)
   bool unshard_in_backward = true;
   std::optional<double> gradient_divide_factor;
   bool force_sum_reduction = false;
@@ -77,8 +80,12 @@ struct GroupSettings {
 
 class FSDPParamGroup {
  public:
+  // `mesh` is 1-D (FSDP) or 2-D (replicate, shard) for HSDP.
+  // `post_forward_comm`, when set, is the group of consecutive shard ranks to
+  // reshard to after forward (reshard_after_forward = k).
   FSDPParamGroup(std::vector<at::Tensor> params, std::vector<std::string> param_names, DeviceMesh mesh,
-                 c10::Device device);
+                 c10::Device device, const MixedPrecisionPolicy& mp_policy,
+                 std::shared_ptr<collectives::Communicator> post_forward_comm);
   FSDPParamGroup(const FSDPParamGroup&) = delete;
   FSDPParamGroup& operator=(const FSDPParamGroup&) = delete;
 
@@ -92,6 +99,8 @@ class FSDPParamGroup {
   void set_training_state(TrainingState s) { training_state_ = s; }
   bool is_unsharded() const { return sharded_state_ == ShardedState::kUnsharded; }
   bool is_sharded() const { return sharded_state_ == ShardedState::kSharded; }
+  bool has_post_forward_comm() const { return post_forward_comm_ != nullptr; }
+  void clear_post_forward_comm() { post_forward_comm_ = nullptr; }
   const DeviceMesh& mesh() const { return mesh_; }
   c10::Device device() const { return device_; }
 
@@ -118,16 +127,26 @@ class FSDPParamGroup {
 
  private:
   void to_sharded();
+  void to_sharded_post_forward();
   void to_unsharded();
   void backward_prefetch();
   void register_post_backward(TensorRefs& inputs);
-  collectives::ReduceOp reduce_scatter_op(double* post_divide) const;
+  // The reduce-scatter and all-reduce ops and the division left to do after
+  // them, so that gradients are averaged over the data-parallel world (or
+  // divided by the divide factor) on every backend.
+  void reduce_ops(collectives::ReduceOp* reduce_scatter, collectives::ReduceOp* all_reduce,
+                  double* post_divide) const;
 
   std::vector<std::unique_ptr<FSDPParam>> params_;
   DeviceMesh mesh_;
   std::shared_ptr<collectives::Communicator> shard_comm_;
+  std::shared_ptr<collectives::Communicator> replicate_comm_;  // HSDP only
+  std::shared_ptr<collectives::Communicator> post_forward_comm_;
+  at::Tensor post_forward_shard_;  // kShardedPostForward: this rank's 1/k of the all-gather output
+  at::Tensor partial_reduce_output_;  // HSDP without all-reduce: summed reduce-scatter outputs
+  c10::ScalarType param_dtype_;
+  c10::ScalarType reduce_dtype_;
   c10::Device device_;
-  c10::ScalarType dtype_;
   std::vector<int64_t> padded_numels_;
   int64_t padded_total_ = 0;
   std::string module_fqn_;

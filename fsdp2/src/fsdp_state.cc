@@ -15,13 +15,17 @@
 namespace fsdp::detail {
 
 FSDPState::FSDPState(const std::shared_ptr<torch::nn::Module>& module, DeviceMesh mesh, c10::Device device,
-                     std::unique_ptr<FSDPParamGroup> group, std::optional<bool> reshard_after_forward)
+                     std::unique_ptr<FSDPParamGroup> group, std::optional<ReshardAfterForward> reshard_after_forward,
+                     MixedPrecisionPolicy mp_policy)
     : module_(module),
       mesh_(std::move(mesh)),
       device_(device),
       group_(std::move(group)),
-      auto_reshard_after_forward_(!reshard_after_forward.has_value()) {
-  if (group_) group_->settings().reshard_after_forward = reshard_after_forward.value_or(true);
+      auto_reshard_after_forward_(!reshard_after_forward.has_value()),
+      mp_policy_(mp_policy) {
+  if (group_) {
+    group_->settings().reshard_after_forward = !reshard_after_forward || reshard_after_forward->world_size() != 1;
+  }
 }
 
 std::shared_ptr<torch::nn::Module> FSDPState::module() const {
@@ -63,6 +67,7 @@ void FSDPState::lazy_init() {
     // The root's parameters would be freed and all-gathered again at once
     // when backward starts, so the root keeps them (FSDP2's default).
     group_->settings().reshard_after_forward = false;
+    group_->clear_post_forward_comm();
   }
   for (const auto& weak : ctx_->all_states) {
     auto state = weak.lock();
@@ -88,6 +93,14 @@ void FSDPState::pre_forward(TensorRefs& inputs) {
   training_state_ = TrainingState::kForward;
   lazy_init();
   if (*is_root_) root_pre_forward(inputs);
+  if (mp_policy_.param_dtype && mp_policy_.cast_forward_inputs) {
+    PhaseScope cast("FSDP::cast_forward_inputs");
+    for (at::Tensor* t : inputs) {
+      if (t->defined() && t->is_floating_point() && t->scalar_type() != *mp_policy_.param_dtype) {
+        *t = t->to(*mp_policy_.param_dtype);
+      }
+    }
+  }
   if (group_) group_->pre_forward(inputs);
   for (const auto& weak : forward_prefetch) {
     if (auto target = weak.lock(); target && target->group_) prefetch_unshard(target->group_.get(), TrainingState::kForward);
@@ -132,6 +145,14 @@ void FSDPState::post_forward(TensorRefs& outputs) {
     ctx_->iter_forward_root = nullptr;
     check_no_call_around_hooks();
   }
+  // Only the root's outputs: inner modules' outputs feed modules computing
+  // in param_dtype.
+  if (mp_policy_.output_dtype && *is_root_) {
+    PhaseScope cast("FSDP::cast_forward_outputs");
+    for (at::Tensor* t : outputs) {
+      if (t->defined() && t->is_floating_point()) *t = t->to(*mp_policy_.output_dtype);
+    }
+  }
 }
 
 void FSDPState::check_no_call_around_hooks() const {
@@ -144,7 +165,7 @@ void FSDPState::check_no_call_around_hooks() const {
   // (world size 1, where the shard is the whole parameter).
   for (const auto& weak : ctx_->all_states) {
     auto s = weak.lock();
-    if (!s || !s->group_ || !s->group_->is_sharded()) continue;
+    if (!s || !s->group_ || s->group_->is_unsharded()) continue;
     for (const auto& p : s->group_->params()) {
       if (p->sharded_shape() == p->unsharded_shape()) continue;
       auto node = torch::autograd::impl::try_get_grad_accumulator(p->param());

@@ -33,7 +33,8 @@ struct FSDPStateContext {
 class FSDPState : public std::enable_shared_from_this<FSDPState> {
  public:
   FSDPState(const std::shared_ptr<torch::nn::Module>& module, DeviceMesh mesh, c10::Device device,
-            std::unique_ptr<FSDPParamGroup> group, std::optional<bool> reshard_after_forward);
+            std::unique_ptr<FSDPParamGroup> group, std::optional<ReshardAfterForward> reshard_after_forward,
+            MixedPrecisionPolicy mp_policy);
 
   std::shared_ptr<torch::nn::Module> module() const;
   const DeviceMesh& mesh() const { return mesh_; }
@@ -77,6 +78,7 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   c10::Device device_;
   std::unique_ptr<FSDPParamGroup> group_;
   bool auto_reshard_after_forward_;
+  MixedPrecisionPolicy mp_policy_;
   std::weak_ptr<FSDPState> parent_;
   std::optional<bool> is_root_;
   std::shared_ptr<FSDPStateContext> ctx_;

@@ -50,15 +50,58 @@ std::vector<std::shared_ptr<FSDPState>> all_states() {
 
 using detail::FSDPState;
 
+namespace detail {
+
+bool name_has(const std::string& name, const char* word) { return name.find(word) != std::string::npos; }
+
+// 1-D meshes shard (FSDP); 2-D meshes are (replicate, shard) for HSDP.
+void check_mesh(const DeviceMesh& mesh, const std::string& name) {
+  const auto& names = mesh.dim_names();
+  if (mesh.ndim() == 1) {
+    TORCH_CHECK(names.empty() || !name_has(names[0], "replicate"), "fully_shard: module '", name,
+                "': the 1-D mesh ", mesh.to_string(), " is named as an HSDP replicate dim, but a 1-D mesh shards "
+                "(FSDP). For HSDP pass a 2-D mesh with dims (replicate, shard).");
+    return;
+  }
+  TORCH_CHECK(mesh.ndim() == 2, "fully_shard: module '", name, "': expected a 1-D (FSDP) or 2-D (HSDP) mesh, got ",
+              mesh.to_string());
+  TORCH_CHECK(names.size() == 2, "fully_shard: module '", name, "': the 2-D mesh ", mesh.to_string(),
+              " has no dim names; HSDP needs them to tell the dims apart: name them {\"replicate\", \"shard\"}");
+  TORCH_CHECK(!(name_has(names[0], "shard") && name_has(names[1], "replicate")), "fully_shard: module '", name,
+              "': the 2-D mesh ", mesh.to_string(), " has its dims in the wrong order; HSDP meshes are "
+              "(replicate, shard): build it with shape {replicas, shards} and names {\"replicate\", \"shard\"}");
+  TORCH_CHECK(name_has(names[0], "replicate") && name_has(names[1], "shard"), "fully_shard: module '", name,
+              "': the 2-D mesh ", mesh.to_string(), " must be named (replicate, shard), e.g. {\"replicate\", "
+              "\"shard\"} or {\"dp_replicate\", \"dp_shard\"}");
+}
+
+// The group of consecutive shard ranks to reshard to after forward, or null.
+std::shared_ptr<collectives::Communicator> post_forward_group(const DeviceMesh& mesh,
+                                                              const std::optional<ReshardAfterForward>& option,
+                                                              const std::string& name) {
+  if (!option || option->is_bool()) return nullptr;
+  const auto& shard = mesh.group(mesh.ndim() - 1);
+  const int k = option->world_size();
+  TORCH_CHECK(k >= 1 && shard->size() % k == 0, "fully_shard: module '", name, "': reshard_after_forward=", k,
+              " must divide the shard size ", shard->size(), " (1 means false, ", shard->size(), " means true)");
+  if (k == shard->size()) return nullptr;
+  const int first = shard->rank() / k * k;
+  std::vector<int> ranks(shard->global_ranks().begin() + first, shard->global_ranks().begin() + first + k);
+  return mesh.world()->shared_group(ranks, mesh.device_type());
+}
+
+}  // namespace detail
+
 FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, const FullyShardOptions& options) {
   TORCH_CHECK(module, "fully_shard: the module is null");
   const std::string name = detail::describe(*module);
   TORCH_CHECK(!detail::state_of(*module), "fully_shard: already applied to module '", name,
               "'; apply it once per module");
   const auto& mp = options.mp_policy;
-  TORCH_CHECK(!mp.param_dtype && !mp.reduce_dtype && !mp.output_dtype && mp.cast_forward_inputs,
-              "fully_shard: module '", name,
-              "': MixedPrecisionPolicy is not supported yet; leave param_dtype, reduce_dtype and output_dtype unset");
+  TORCH_CHECK(!mp.param_dtype || c10::isFloatingType(*mp.param_dtype), "fully_shard: module '", name,
+              "': MixedPrecisionPolicy::param_dtype must be a floating-point type, got ", *mp.param_dtype);
+  TORCH_CHECK(!mp.reduce_dtype || c10::isFloatingType(*mp.reduce_dtype), "fully_shard: module '", name,
+              "': MixedPrecisionPolicy::reduce_dtype must be a floating-point type, got ", *mp.reduce_dtype);
   TORCH_CHECK(!options.offload_policy.offload_to_cpu, "fully_shard: module '", name,
               "': CPU offload is not supported yet; leave OffloadPolicy::offload_to_cpu false");
 
@@ -77,8 +120,7 @@ FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, const F
     }
     mesh = init_device_mesh(options.world, type, {options.world->size()});
   }
-  TORCH_CHECK(mesh->ndim() == 1, "fully_shard: module '", name, "': expected a 1-D mesh, got ", mesh->to_string(),
-              " (HSDP on 2-D meshes is not supported yet)");
+  detail::check_mesh(*mesh, name);
   const c10::Device device = detail::mesh_device(*mesh);
 
   // Parameters already managed by sharded submodules stay theirs.
@@ -115,6 +157,8 @@ FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, const F
     TORCH_CHECK(p.device().type() == device.type() && (device.type() == c10::kCPU || p.device() == device),
                 "fully_shard: parameter '", item.key(), "' of module '", name, "' is on ", p.device(),
                 " but the mesh's device is ", device, "; move the module to ", device, " before sharding");
+    TORCH_CHECK(!mp.param_dtype || p.is_floating_point(), "fully_shard: module '", name, "': parameter '",
+                item.key(), "' is ", p.scalar_type(), "; a MixedPrecisionPolicy::param_dtype needs floating-point parameters");
     if (!params.empty()) {
       TORCH_CHECK(p.scalar_type() == params.front().scalar_type(), "fully_shard: module '", name,
                   "' mixes dtypes in one group: parameter '", names.front(), "' is ", params.front().scalar_type(),
@@ -125,9 +169,15 @@ FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, const F
     names.push_back(item.key());
   }
 
+  std::shared_ptr<collectives::Communicator> post_forward_comm =
+      detail::post_forward_group(*mesh, options.reshard_after_forward, name);
   std::unique_ptr<detail::FSDPParamGroup> group;
-  if (!params.empty()) group = std::make_unique<detail::FSDPParamGroup>(std::move(params), std::move(names), *mesh, device);
-  auto state = std::make_shared<FSDPState>(module, *mesh, device, std::move(group), options.reshard_after_forward);
+  if (!params.empty()) {
+    group = std::make_unique<detail::FSDPParamGroup>(std::move(params), std::move(names), *mesh, device, mp,
+                                                     std::move(post_forward_comm));
+  }
+  auto state =
+      std::make_shared<FSDPState>(module, *mesh, device, std::move(group), options.reshard_after_forward, mp);
   for (const auto& child : children) {
     if (!child->parent()) child->set_parent(state);
   }
@@ -203,7 +253,15 @@ void FSDPModule::set_requires_gradient_sync(bool requires_gradient_sync, bool re
 
 void FSDPModule::set_reshard_after_forward(bool reshard_after_forward, bool recurse) {
   for_each_state(state_, recurse, [&](FSDPState& s) {
-    if (s.group()) s.group()->settings().reshard_after_forward = reshard_after_forward;
+    if (!s.group()) return;
+    s.group()->settings().reshard_after_forward = reshard_after_forward;
+    s.group()->clear_post_forward_comm();
+  });
+}
+
+void FSDPModule::set_requires_all_reduce(bool requires_all_reduce, bool recurse) {
+  for_each_state(state_, recurse, [&](FSDPState& s) {
+    if (s.group()) s.group()->settings().all_reduce_grads = requires_all_reduce;
   });
 }
 

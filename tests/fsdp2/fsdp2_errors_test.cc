@@ -72,11 +72,8 @@ TEST(FullyShardErrors, MisuseGivesClearErrors) {
                         "'b'", "Double");
     }
     {
-      SCOPED_TRACE("policies not supported yet, 2-D meshes");
+      SCOPED_TRACE("offload not supported yet, no mesh");
       FullyShardOptions o = mesh_options(ctx);
-      o.mp_policy.param_dtype = at::kBFloat16;
-      EXPECT_THROW_WITH(fully_shard(MLPBlock(7, 5), o), "MixedPrecisionPolicy");
-      o = mesh_options(ctx);
       o.offload_policy.offload_to_cpu = true;
       EXPECT_THROW_WITH(fully_shard(MLPBlock(7, 5), o), "offload");
       EXPECT_THROW_WITH(fully_shard(MLPBlock(7, 5), FullyShardOptions{}), "no mesh");

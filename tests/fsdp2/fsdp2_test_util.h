@@ -59,12 +59,15 @@ inline std::shared_ptr<LossModel> make_model(ModelKind kind) {
 }
 
 // The full value of a sharded parameter (torch.chunk dim-0 sharding over the
-// mesh), gathered on every rank.
+// mesh's last dim), gathered on every rank.
 inline at::Tensor full_param(const at::Tensor& sharded, const std::vector<int64_t>& full_shape, const DeviceMesh& mesh) {
   std::vector<int64_t> shape = full_shape.empty() ? std::vector<int64_t>{1} : full_shape;
   at::Tensor local = sharded.detach();
   if (full_shape.empty()) local = local.reshape({-1});
-  at::Tensor full = DTensor::from_local(local.contiguous(), mesh, {Placement::shard(0)}, shape).full_tensor();
+  // HSDP meshes (replicate, shard) hold the same shards on every replica.
+  std::vector<Placement> placements{Placement::shard(0)};
+  if (mesh.ndim() == 2) placements.insert(placements.begin(), Placement::replicate());
+  at::Tensor full = DTensor::from_local(local.contiguous(), mesh, placements, shape).full_tensor();
   return full.reshape(full_shape);
 }
 

@@ -89,6 +89,15 @@ class World {
   std::shared_ptr<Communicator> new_group(const std::vector<int>& ranks, c10::DeviceType device_type,
                                           const CommunicatorOptions& options = {});
 
+  // Like new_group, but returns the communicator an earlier shared_group call
+  // made for the same ranks, device type and backend while it is still alive
+  // (no communication then). For runtimes that need a group per module
+  // (fsdp2's reshard-after-forward groups) without making one per module.
+  // The members must agree on whether the group already exists, which they
+  // do when they make the same calls in the same order.
+  std::shared_ptr<Communicator> shared_group(const std::vector<int>& ranks, c10::DeviceType device_type,
+                                             const CommunicatorOptions& options = {});
+
  private:
   World(c10::intrusive_ptr<c10d::Store> store, int rank, int size, int local_rank, int local_size,
         std::string description);
@@ -106,6 +115,8 @@ class World {
   // counts agree across ranks without communication.
   std::mutex mutex_;
   std::map<std::string, int> group_counts_;
+  // Groups made by shared_group, by member list, device type and backend.
+  std::map<std::string, std::weak_ptr<Communicator>> shared_groups_;
 };
 
 }  // namespace fsdp::collectives

@@ -50,32 +50,62 @@
 
 namespace fsdp {
 
-// Mixed precision as FSDP2's MixedPrecisionPolicy. Only the default (all
-// unset: compute and reduce in the parameters' dtype) is accepted for now.
+// Mixed precision as FSDP2's MixedPrecisionPolicy. Sharded (master)
+// parameters, their gradients and the optimizer stay in the parameters'
+// original dtype; only the all-gathered parameters used in forward and
+// backward are in `param_dtype`.
 struct MixedPrecisionPolicy {
+  // dtype of the unsharded parameters (all-gather and compute). Unset: the
+  // original dtype. Must be a floating-point type.
   std::optional<c10::ScalarType> param_dtype;
+  // dtype of the gradient reduction. Unset: `param_dtype` (or the original).
   std::optional<c10::ScalarType> reduce_dtype;
+  // The root's floating-point outputs are cast to this dtype. Unset: no cast.
   std::optional<c10::ScalarType> output_dtype;
+  // Cast floating-point forward inputs to `param_dtype` at each sharded
+  // module (when param_dtype is set).
   bool cast_forward_inputs = true;
 };
 
 // Offloading as FSDP2's OffloadPolicy / CPUOffloadPolicy. Only the default
-// (no offload) is accepted for now.
+// (no offload) is accepted for now; fully_shard rejects the rest.
 struct OffloadPolicy {
   bool offload_to_cpu = false;
   bool pin_memory = true;
 };
 
+// reshard_after_forward: true, false, or the size of the smaller world to
+// reshard to after forward (FSDP2's `bool | int`): with an integer k, each
+// rank keeps a 1/k shard after forward, all-gathered in backward within its
+// group of k consecutive shard ranks (e.g. the ranks of one node). k must
+// divide the mesh's shard size; k == 1 means false and k == shard size true.
+class ReshardAfterForward {
+ public:
+  ReshardAfterForward(bool reshard) : value_(reshard ? -1 : 1) {}  // NOLINT: implicit, like FSDP2's bool
+  ReshardAfterForward(int world_size) : value_(world_size) {}       // NOLINT: implicit, like FSDP2's int
+  bool is_bool() const { return value_ == -1 || value_ == 1; }
+  // The world size to keep after forward: 1 (no reshard), or -1 for the
+  // whole shard group, or k.
+  int world_size() const { return value_; }
+
+ private:
+  int value_;
+};
+
 struct FullyShardOptions {
-  // The mesh to shard over (1-D: FSDP). Unset: the mesh of the already-sharded
+  // The mesh to shard over. 1-D: FSDP. 2-D with dims named (replicate,
+  // shard), e.g. {"replicate", "shard"} or {"dp_replicate", "dp_shard"}:
+  // HSDP, sharded within the shard dim and replicated across the other.
+  // Unset: the mesh of the already-sharded
   // submodules, else a 1-D mesh over `world` on the parameters' device.
   std::optional<DeviceMesh> mesh;
   // Used only to build the default mesh when `mesh` is unset.
   std::shared_ptr<collectives::World> world;
   // true: free the unsharded parameters after forward (all-gather again in
-  // backward); false: keep them until after backward. Unset: true, except
-  // for the root module, which keeps them (its backward starts at once).
-  std::optional<bool> reshard_after_forward;
+  // backward); false: keep them until after backward; an integer: see
+  // ReshardAfterForward. Unset: true, except for the root module, which
+  // keeps them (its backward starts at once).
+  std::optional<ReshardAfterForward> reshard_after_forward;
   MixedPrecisionPolicy mp_policy;
   OffloadPolicy offload_policy;
 };
@@ -137,6 +167,11 @@ class FSDPModule {
   // Whether to free the unsharded parameters after forward. Only for
   // non-root modules in FSDP2's default; allowed on any.
   void set_reshard_after_forward(bool reshard_after_forward, bool recurse = true);
+  // HSDP: whether backward all-reduces the reduce-scattered gradients across
+  // replicas (false: keep the partial result, added to the next backward
+  // that does all-reduce; gradients are only set then). A no-op on a 1-D
+  // mesh, as in FSDP2.
+  void set_requires_all_reduce(bool requires_all_reduce, bool recurse = true);
   // Whether to free the unsharded parameters after backward.
   void set_reshard_after_backward(bool reshard_after_backward, bool recurse = true);
   // Modules whose all-gather is issued at the start of this module's forward
@@ -153,10 +188,13 @@ class FSDPModule {
   void set_post_optim_event(std::shared_ptr<c10::Event> event);
   // Gradients are divided by `factor` instead of the data-parallel world size.
   void set_gradient_divide_factor(double factor);
-  // Reduce with SUM collectives and divide locally (never AVG/PREMUL_SUM).
+  // Reduce with SUM collectives and divide locally (never AVG/PREMUL_SUM),
+  // for the reduce-scatter and the HSDP all-reduce alike.
   void set_force_sum_reduction_for_comms(bool force_sum);
-  // Called on each reduced gradient shard buffer after reduction (on the
-  // reduction's stream on CUDA), before it becomes the parameters' .grad.
+  // Called on each group's reduced gradient shard buffer (reduce dtype, the
+  // group's padded chunks) after the reduce-scatter, the HSDP all-reduce and
+  // the division, on the reduction's stream on CUDA, before it becomes the
+  // parameters' .grad. Applies to this module's group only.
   void set_all_reduce_hook(std::function<void(at::Tensor&)> hook);
   // Whether the next backward is the last before the optimizer step (false
   // skips the end-of-backward waits that only the last backward needs).
@@ -181,8 +219,10 @@ class FSDPModule {
 
 // Shards `module`'s parameters not yet managed by a sharded submodule and
 // returns its handle. REQUIRES: every parameter is defined, on the mesh's
-// device type, and of one floating dtype within the module's group; the
-// module is not already sharded, and no ancestor is. Throws c10::Error naming
+// device type, and of one dtype within the module's group; the module is not
+// already sharded, and no ancestor is; a 2-D mesh is named (replicate,
+// shard); an integer reshard_after_forward divides the shard size; a
+// param_dtype is floating point. Throws c10::Error naming
 // the module and parameter otherwise. Collective over the mesh (parameters
 // are not communicated, but the default mesh may be created).
 FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, const FullyShardOptions& options = {});
