@@ -1,0 +1,154 @@
+// fsdp_train's pieces: flag spelling, flag checks (in the library and in the
+// binary, which must fail before starting anything, naming the flag), and
+// the data split that makes a run independent of the world size.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include <ATen/ops/cat.h>
+
+#include "config.h"
+#include "data.h"
+#include "run_binary.h"
+
+namespace fsdp_train_test {
+namespace {
+
+using fsdp_train::TrainConfig;
+
+std::vector<std::string> normalize(std::vector<std::string> args) {
+  std::vector<const char*> argv;
+  for (const auto& a : args) argv.push_back(a.c_str());
+  return fsdp_train::normalize_flag_names(static_cast<int>(argv.size()), argv.data());
+}
+
+TEST(FlagNames, DashesInTheNameBecomeUnderscoresButValuesStay) {
+  EXPECT_EQ(normalize({"prog", "--global-batch=8", "--seq-len", "32", "--data", "my-file.txt", "-log-every=2"}),
+            (std::vector<std::string>{"prog", "--global_batch=8", "--seq_len", "32", "--data", "my-file.txt",
+                                      "-log_every=2"}));
+  // A negative number is a value, not a flag; nothing after "--" is a flag.
+  EXPECT_EQ(normalize({"prog", "--lr", "-1e-3", "--", "--not-a-flag"}),
+            (std::vector<std::string>{"prog", "--lr", "-1e-3", "--", "--not-a-flag"}));
+}
+
+TEST(FlagNames, RemoveFlagDropsEverySpelling) {
+  const std::vector<std::string> args = {"prog", "--nproc", "2", "--steps=3", "--nproc=4", "-nproc", "5", "--x"};
+  EXPECT_EQ(fsdp_train::remove_flag(args, "nproc"), (std::vector<std::string>{"prog", "--steps=3", "--x"}));
+}
+
+TEST(Validate, DefaultsAreValidForOneToFourRanks) {
+  for (int n : {1, 2, 4}) EXPECT_TRUE(fsdp_train::validate(TrainConfig{}, n).ok()) << n;
+}
+
+TEST(Validate, MessagesNameTheFlag) {
+  TrainConfig c;
+  c.dim = 64;
+  c.heads = 5;
+  EXPECT_EQ(fsdp_train::validate(c, 1).message(), "--heads must divide --dim (got 64 and 5)");
+  c = TrainConfig{};
+  c.global_batch = 6;
+  EXPECT_NE(fsdp_train::validate(c, 4).message().find("--global-batch"), std::string::npos);
+  c = TrainConfig{};
+  c.device = "tpu";
+  EXPECT_NE(fsdp_train::validate(c, 1).message().find("--device"), std::string::npos);
+  c = TrainConfig{};
+  c.mesh = "2x3";
+  EXPECT_NE(fsdp_train::validate(c, 4).message().find("--mesh"), std::string::npos);
+  c = TrainConfig{};
+  c.reduce_dtype = "fp64";
+  EXPECT_NE(fsdp_train::validate(c, 1).message().find("--reduce-dtype"), std::string::npos);
+}
+
+TEST(Validate, MeshIsReplicateTimesShard) {
+  auto mesh = fsdp_train::parse_mesh("2x3", 6);
+  ASSERT_TRUE(mesh.ok());
+  EXPECT_EQ(mesh->replicate, 2);
+  EXPECT_EQ(mesh->shard, 3);
+  mesh = fsdp_train::parse_mesh("", 4);
+  ASSERT_TRUE(mesh.ok());
+  EXPECT_EQ(mesh->replicate, 1);
+  EXPECT_EQ(mesh->shard, 4);
+  EXPECT_FALSE(fsdp_train::parse_mesh("2by3", 6).ok());
+}
+
+TEST(BatchSampler, RankSlicesMakeUpTheGlobalBatchAtEveryWorldSize) {
+  const auto corpus = fsdp_train::load_corpus("", 64);
+  ASSERT_TRUE(corpus.ok()) << corpus.status();
+  const fsdp_train::BatchSampler sampler(corpus->bytes, /*global_batch=*/6, /*seq_len=*/16, /*seed=*/3);
+  for (int64_t step : {1, 2, 50}) {
+    const fsdp_train::Batch global = sampler.local_batch(step, 0, 1);
+    ASSERT_EQ(global.inputs.sizes(), (std::vector<int64_t>{6, 16}));
+    // Targets are the inputs shifted by one byte.
+    EXPECT_TRUE(global.inputs.narrow(1, 1, 15).equal(global.targets.narrow(1, 0, 15)));
+    for (int64_t parts : {2, 3, 6}) {
+      std::vector<at::Tensor> inputs, targets;
+      for (int64_t r = 0; r < parts; ++r) {
+        const fsdp_train::Batch local = sampler.local_batch(step, r, parts);
+        EXPECT_EQ(local.inputs.size(0), 6 / parts);
+        inputs.push_back(local.inputs);
+        targets.push_back(local.targets);
+      }
+      EXPECT_TRUE(at::cat(inputs).equal(global.inputs)) << "step " << step << ", " << parts << " parts";
+      EXPECT_TRUE(at::cat(targets).equal(global.targets)) << "step " << step << ", " << parts << " parts";
+    }
+  }
+}
+
+TEST(BatchSampler, BatchesDependOnSeedAndStepOnly) {
+  const auto corpus = fsdp_train::load_corpus("", 64);
+  ASSERT_TRUE(corpus.ok()) << corpus.status();
+  const fsdp_train::BatchSampler a(corpus->bytes, 8, 16, 1), b(corpus->bytes, 8, 16, 1), c(corpus->bytes, 8, 16, 2);
+  EXPECT_EQ(a.offsets(5), b.offsets(5));
+  EXPECT_NE(a.offsets(5), a.offsets(6));
+  EXPECT_NE(a.offsets(5), c.offsets(5));
+  // seed 1, step 2 is not seed 2, step 1 (seed and step are not just added).
+  EXPECT_NE(a.offsets(2), c.offsets(1));
+}
+
+TEST(Corpus, ShippedCorpusIsFoundAndAMissingFileNamesData) {
+  const auto corpus = fsdp_train::load_corpus("", 64);
+  ASSERT_TRUE(corpus.ok());
+  EXPECT_EQ(corpus->source, fsdp_train::default_corpus_path());
+  EXPECT_GT(corpus->bytes.numel(), 20000);
+  const auto missing = fsdp_train::load_corpus("/nonexistent/corpus.txt", 64);
+  ASSERT_FALSE(missing.ok());
+  EXPECT_NE(missing.status().message().find("--data"), std::string::npos);
+  EXPECT_GT(fsdp_train::generated_text(1000).size(), 999u);
+}
+
+// The binary: bad flags fail at once, with a message naming the flag.
+void expect_flag_error(const std::vector<std::string>& args, const std::string& flag, const std::string& detail = "") {
+  const RunResult run = run_program(FSDP_TRAIN_BINARY, args);
+  EXPECT_NE(run.exit_code, 0) << run.output;
+  EXPECT_NE(run.output.find(flag), std::string::npos) << "expected the message to name " << flag << ":\n" << run.output;
+  if (!detail.empty()) {
+    EXPECT_NE(run.output.find(detail), std::string::npos) << run.output;
+  }
+  EXPECT_EQ(run.output.find("step 1"), std::string::npos) << "training started:\n" << run.output;
+}
+
+TEST(FsdpTrainFlags, HeadsMustDivideDim) {
+  expect_flag_error({"--dim", "64", "--heads", "5"}, "--heads", "(got 64 and 5)");
+}
+
+TEST(FsdpTrainFlags, GlobalBatchMustDivideAmongRanks) {
+  expect_flag_error({"--nproc", "4", "--global-batch", "6"}, "--global-batch", "(got 6 for 4 ranks)");
+  // The underscore spelling is the same flag.
+  expect_flag_error({"--nproc=4", "--global_batch=7"}, "--global-batch", "(got 7 for 4 ranks)");
+}
+
+TEST(FsdpTrainFlags, UnknownDeviceIsRejected) { expect_flag_error({"--device", "tpu"}, "--device", "'tpu'"); }
+
+TEST(FsdpTrainFlags, MeshMustCoverTheWorld) {
+  expect_flag_error({"--nproc", "2", "--mesh", "3x1"}, "--mesh", "world size is 2");
+}
+
+TEST(FsdpTrainFlags, UnknownDtypeIsRejected) { expect_flag_error({"--param-dtype", "fp8"}, "--param-dtype", "'fp8'"); }
+
+TEST(FsdpTrainFlags, UnreadableDataIsRejectedBeforeStarting) {
+  expect_flag_error({"--nproc", "2", "--data", "/nonexistent/corpus.txt"}, "--data", "/nonexistent/corpus.txt");
+}
+
+}  // namespace
+}  // namespace fsdp_train_test

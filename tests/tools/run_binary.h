@@ -1,0 +1,139 @@
+// Helpers of the trainer tests: run a program and capture what it prints, a
+// scratch directory, and a reader for fsdp_train's --json record.
+#pragma once
+
+#include <fcntl.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <fstream>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <vector>
+
+extern char** environ;
+
+namespace fsdp_train_test {
+
+struct RunResult {
+  int exit_code = -1;  // 128 + signal when killed by a signal
+  std::string output;  // stdout and stderr, interleaved
+};
+
+// Runs `program` with `args` (no shell) and waits for it. The child gets this
+// process's environment without the rendezvous variables (RANK, WORLD_SIZE,
+// ...), so a test run never joins some outer job.
+inline RunResult run_program(const std::string& program, const std::vector<std::string>& args) {
+  std::vector<std::string> env;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string entry = *e;
+    const std::string key = entry.substr(0, entry.find('='));
+    if (key == "RANK" || key == "WORLD_SIZE" || key == "LOCAL_RANK" || key == "LOCAL_WORLD_SIZE" ||
+        key == "MASTER_ADDR" || key == "MASTER_PORT") {
+      continue;
+    }
+    env.push_back(entry);
+  }
+  std::vector<std::string> argv_strings = {program};
+  argv_strings.insert(argv_strings.end(), args.begin(), args.end());
+  auto c_strings = [](std::vector<std::string>& strings) {
+    std::vector<char*> out;
+    for (auto& s : strings) out.push_back(s.data());
+    out.push_back(nullptr);
+    return out;
+  };
+  std::vector<char*> argv = c_strings(argv_strings), envp = c_strings(env);
+
+  RunResult result;
+  int fds[2];
+  if (::pipe2(fds, O_CLOEXEC) != 0) return result;
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);
+  posix_spawn_file_actions_adddup2(&actions, fds[1], STDERR_FILENO);
+  pid_t pid = -1;
+  const int rc = ::posix_spawn(&pid, program.c_str(), &actions, nullptr, argv.data(), envp.data());
+  posix_spawn_file_actions_destroy(&actions);
+  ::close(fds[1]);
+  if (rc != 0) {
+    ::close(fds[0]);
+    result.output = "posix_spawn of " + program + " failed";
+    return result;
+  }
+  char buffer[4096];
+  for (ssize_t n; (n = ::read(fds[0], buffer, sizeof(buffer))) != 0;) {
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      break;
+    }
+    result.output.append(buffer, static_cast<size_t>(n));
+  }
+  ::close(fds[0]);
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  return result;
+}
+
+// A fresh directory under $TMPDIR (or /tmp), removed with its files.
+class ScratchDir {
+ public:
+  ScratchDir() {
+    const char* tmp = std::getenv("TMPDIR");
+    std::string pattern = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/fsdp_train_test.XXXXXX";
+    if (::mkdtemp(pattern.data()) != nullptr) path_ = pattern;
+  }
+  ~ScratchDir() {
+    for (const auto& f : files_) ::unlink(f.c_str());
+    if (!path_.empty()) ::rmdir(path_.c_str());
+  }
+  ScratchDir(const ScratchDir&) = delete;
+  ScratchDir& operator=(const ScratchDir&) = delete;
+
+  // A path in the directory, removed with it.
+  std::string file(const std::string& name) {
+    files_.push_back(path_ + "/" + name);
+    return files_.back();
+  }
+
+ private:
+  std::string path_;
+  std::vector<std::string> files_;
+};
+
+// The parts of fsdp_train's --json record the tests check.
+struct TrainRecord {
+  int world_size = -1;
+  std::vector<int> steps;
+  std::vector<double> losses;
+  double final_loss = 0;
+  bool ok = false;
+};
+
+// A reader for exactly the format fsdp_train writes (see tools/train/report.h).
+inline TrainRecord read_train_json(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  const std::string text = ss.str();
+  TrainRecord record;
+  std::smatch m;
+  if (!std::regex_search(text, m, std::regex(R"re("world_size":\s*(\d+))re"))) return record;
+  record.world_size = std::stoi(m[1]);
+  const std::regex step_re(R"re(\{"step":\s*(\d+),\s*"loss":\s*([-+0-9.eE]+|nan|inf))re");
+  for (auto it = std::sregex_iterator(text.begin(), text.end(), step_re); it != std::sregex_iterator(); ++it) {
+    record.steps.push_back(std::stoi((*it)[1]));
+    record.losses.push_back(std::stod((*it)[2]));
+  }
+  if (!std::regex_search(text, m, std::regex(R"re("final_loss":\s*([-+0-9.eE]+))re"))) return record;
+  record.final_loss = std::stod(m[1]);
+  record.ok = !record.losses.empty();
+  return record;
+}
+
+}  // namespace fsdp_train_test

@@ -1,0 +1,156 @@
+#include "config.h"
+
+#include <cctype>
+#include <string>
+
+#include <c10/util/Exception.h>
+#include <torch/cuda.h>
+
+#include "absl/flags/reflection.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+
+namespace fsdp_train {
+
+namespace {
+
+absl::Status flag_error(const std::string& message) { return absl::InvalidArgumentError(message); }
+
+}  // namespace
+
+absl::StatusOr<MeshShape> parse_mesh(const std::string& text, int64_t world_size) {
+  if (text.empty()) return MeshShape{1, world_size};
+  const size_t x = text.find('x');
+  MeshShape shape;
+  if (x == std::string::npos || !absl::SimpleAtoi(text.substr(0, x), &shape.replicate) ||
+      !absl::SimpleAtoi(text.substr(x + 1), &shape.shard) || shape.replicate < 1 || shape.shard < 1) {
+    return flag_error(absl::StrCat("--mesh must be RxS with positive R (replicate) and S (shard), e.g. 1x", world_size,
+                                   " (got '", text, "')"));
+  }
+  if (shape.replicate * shape.shard != world_size) {
+    return flag_error(absl::StrCat("--mesh ", text, " has ", shape.replicate * shape.shard,
+                                   " ranks but the world size is ", world_size, "; R*S must equal the world size"));
+  }
+  return shape;
+}
+
+absl::StatusOr<std::optional<c10::ScalarType>> parse_dtype(const std::string& flag, const std::string& text) {
+  if (text == "fp32") return std::optional<c10::ScalarType>();
+  if (text == "bf16") return std::optional<c10::ScalarType>(c10::kBFloat16);
+  if (text == "fp16") return std::optional<c10::ScalarType>(c10::kHalf);
+  return flag_error(absl::StrCat("--", flag, " must be fp32, bf16 or fp16 (got '", text, "')"));
+}
+
+int64_t hidden_size(const TrainConfig& config) {
+  if (config.hidden > 0) return config.hidden;
+  const int64_t h = (8 * config.dim + 2) / 3;
+  return (h + 15) / 16 * 16;
+}
+
+absl::Status validate(const TrainConfig& c, int64_t world_size) {
+  if (world_size < 1) return flag_error(absl::StrCat("the world size must be >= 1 (got ", world_size, ")"));
+  if (c.steps < 1) return flag_error(absl::StrCat("--steps must be >= 1 (got ", c.steps, ")"));
+  if (c.global_batch < 1) return flag_error(absl::StrCat("--global-batch must be >= 1 (got ", c.global_batch, ")"));
+  if (c.global_batch % world_size != 0) {
+    return flag_error(absl::StrCat("--global-batch must be divisible by the number of data-parallel ranks (got ",
+                                   c.global_batch, " for ", world_size, " ranks)"));
+  }
+  if (c.seq_len < 2) return flag_error(absl::StrCat("--seq-len must be >= 2 (got ", c.seq_len, ")"));
+  if (c.layers < 1) return flag_error(absl::StrCat("--layers must be >= 1 (got ", c.layers, ")"));
+  if (c.dim < 2) return flag_error(absl::StrCat("--dim must be >= 2 (got ", c.dim, ")"));
+  if (c.heads < 1) return flag_error(absl::StrCat("--heads must be >= 1 (got ", c.heads, ")"));
+  if (c.dim % c.heads != 0) {
+    return flag_error(absl::StrCat("--heads must divide --dim (got ", c.dim, " and ", c.heads, ")"));
+  }
+  if ((c.dim / c.heads) % 2 != 0) {
+    return flag_error(absl::StrCat("--dim / --heads (the head size) must be even for rotary embeddings (got ", c.dim,
+                                   " / ", c.heads, " = ", c.dim / c.heads, ")"));
+  }
+  if (c.hidden < 0) return flag_error(absl::StrCat("--hidden must be >= 0 (got ", c.hidden, ")"));
+  if (!(c.lr > 0)) return flag_error(absl::StrCat("--lr must be > 0 (got ", c.lr, ")"));
+  if (!(c.weight_decay >= 0)) {
+    return flag_error(absl::StrCat("--weight-decay must be >= 0 (got ", c.weight_decay, ")"));
+  }
+  if (c.warmup < 0) return flag_error(absl::StrCat("--warmup must be >= 0 (got ", c.warmup, ")"));
+  if (!(c.clip >= 0)) return flag_error(absl::StrCat("--clip must be >= 0 (got ", c.clip, ")"));
+  if (c.device != "cpu" && c.device != "cuda") {
+    return flag_error(absl::StrCat("--device must be cpu or cuda (got '", c.device, "')"));
+  }
+  if (c.log_every < 1) return flag_error(absl::StrCat("--log-every must be >= 1 (got ", c.log_every, ")"));
+  if (c.threads < 0) return flag_error(absl::StrCat("--threads must be >= 0 (got ", c.threads, ")"));
+  if (auto mesh = parse_mesh(c.mesh, world_size); !mesh.ok()) return mesh.status();
+  if (auto d = parse_dtype("param-dtype", c.param_dtype); !d.ok()) return d.status();
+  if (auto d = parse_dtype("reduce-dtype", c.reduce_dtype); !d.ok()) return d.status();
+  return absl::OkStatus();
+}
+
+absl::Status check_device(const TrainConfig& config, int64_t local_ranks) {
+  if (config.device != "cuda") return absl::OkStatus();
+  const int64_t gpus = static_cast<int64_t>(torch::cuda::device_count());
+  if (gpus == 0) {
+    return absl::FailedPreconditionError(
+        "--device cuda: CUDA is not available here (no GPU visible, or a CPU-only build); use --device cpu");
+  }
+  if (local_ranks > gpus) {
+    return absl::FailedPreconditionError(absl::StrCat("--device cuda runs one rank per GPU, but ", local_ranks,
+                                                      " local ranks were asked for and ", gpus,
+                                                      " GPU(s) are visible; lower --nproc"));
+  }
+  return absl::OkStatus();
+}
+
+std::vector<std::string> normalize_flag_names(int argc, const char* const* argv) {
+  std::vector<std::string> out;
+  out.reserve(argc);
+  bool verbatim = false;
+  for (int i = 0; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (i == 0 || verbatim) {
+      out.push_back(std::move(arg));
+      continue;
+    }
+    if (arg == "--") {
+      verbatim = true;
+      out.push_back(std::move(arg));
+      continue;
+    }
+    const size_t dashes = arg.rfind("--", 0) == 0 ? 2 : (arg.rfind('-', 0) == 0 ? 1 : 0);
+    // Only flag names: "-1e-3" (a negative value) and "value-with-dashes" stay.
+    if (dashes == 0 || arg.size() <= dashes || !std::isalpha(static_cast<unsigned char>(arg[dashes]))) {
+      out.push_back(std::move(arg));
+      continue;
+    }
+    const size_t end = std::min(arg.find('=', dashes), arg.size());
+    std::string name = arg.substr(dashes, end - dashes);
+    for (char& ch : name) {
+      if (ch == '-') ch = '_';
+    }
+    // --no-foo-bar: Abseil's negation of a bool flag is --nofoo_bar.
+    if (name.rfind("no_", 0) == 0 && absl::FindCommandLineFlag(name) == nullptr &&
+        absl::FindCommandLineFlag(name.substr(3)) != nullptr) {
+      name = "no" + name.substr(3);
+    }
+    out.push_back(arg.substr(0, dashes) + name + arg.substr(end));
+  }
+  return out;
+}
+
+std::vector<std::string> remove_flag(const std::vector<std::string>& args, const std::string& name) {
+  std::vector<std::string> out;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (i > 0 && (a == "--" + name || a == "-" + name)) {
+      ++i;  // and its value
+      continue;
+    }
+    if (i > 0 && (a.rfind("--" + name + "=", 0) == 0 || a.rfind("-" + name + "=", 0) == 0)) continue;
+    if (a == "--") {  // the rest is not flags
+      out.insert(out.end(), args.begin() + i, args.end());
+      break;
+    }
+    out.push_back(a);
+  }
+  return out;
+}
+
+}  // namespace fsdp_train

@@ -1,0 +1,177 @@
+// fsdp_train: a small Llama-style transformer trained with fully_shard, the
+// main job of fsdp2cpp (`make demo` runs `fsdp_train --nproc 2`).
+//
+//   fsdp_train --nproc 2                      2 local ranks on CPU (Gloo), defaults
+//   fsdp_train --nproc 4 --steps 50 --json out.json
+//   fsdp_train                                one rank (no launcher, no torchrun)
+//   torchrun --nproc-per-node 2 --no-python fsdp_train --steps 50
+//                                             torchrun starts the ranks (env://)
+//   fsdp_train --nproc 2 --device cuda        NCCL, one rank per GPU
+//
+// Flags may be spelled with dashes or underscores (--global-batch 8 or
+// --global_batch=8); --help lists them. Bad values fail before anything
+// starts, with a message that names the flag. See docs/trainer.md.
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <c10/util/Exception.h>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
+#include "collectives/world.h"
+#include "config.h"
+#include "data.h"
+#include "launcher.h"
+#include "trainer.h"
+
+namespace {
+const fsdp_train::TrainConfig kDefaults;
+}  // namespace
+
+// Optional so that "not given" is visible: without it, a process whose
+// environment names its rank (torchrun) runs as that rank.
+ABSL_FLAG(std::optional<int>, nproc, std::nullopt,
+          "Start this many local ranks (fork + exec of this program, as torchrun would). Without it, run as the "
+          "rank that RANK/WORLD_SIZE name (torchrun), or as a single rank.");
+ABSL_FLAG(int64_t, steps, kDefaults.steps, "Optimizer steps.");
+ABSL_FLAG(int64_t, global_batch, kDefaults.global_batch,
+          "Sequences per step over all ranks; must be divisible by the world size.");
+ABSL_FLAG(int64_t, seq_len, kDefaults.seq_len, "Tokens (bytes) per sequence.");
+ABSL_FLAG(int64_t, layers, kDefaults.layers, "Transformer blocks (each one fully_shard group).");
+ABSL_FLAG(int64_t, dim, kDefaults.dim, "Model width.");
+ABSL_FLAG(int64_t, heads, kDefaults.heads, "Attention heads; must divide --dim into an even head size.");
+ABSL_FLAG(int64_t, hidden, kDefaults.hidden, "SwiGLU hidden size; 0: 8/3 * dim rounded up to 16.");
+ABSL_FLAG(double, lr, kDefaults.lr, "Peak learning rate (AdamW; linear warm-up, cosine decay to lr/10).");
+ABSL_FLAG(double, weight_decay, kDefaults.weight_decay, "AdamW weight decay.");
+ABSL_FLAG(int64_t, warmup, kDefaults.warmup, "Warm-up steps.");
+ABSL_FLAG(double, clip, kDefaults.clip, "Max global gradient norm (fsdp::clip_grad_norm_); 0: no clipping.");
+ABSL_FLAG(int64_t, seed, kDefaults.seed, "Seed of the initial parameters and of the batches.");
+ABSL_FLAG(std::string, device, kDefaults.device, "cpu (Gloo) or cuda (NCCL, one rank per GPU).");
+ABSL_FLAG(bool, reshard_after_forward, kDefaults.reshard_after_forward,
+          "fully_shard's reshard_after_forward for the blocks (false: keep their parameters gathered until "
+          "backward).");
+ABSL_FLAG(std::string, json, "", "Write the per-step losses, throughput and memory to this JSON file (rank 0).");
+ABSL_FLAG(std::string, data, "", "Train on this text file (bytes); default: the corpus in the source tree's data/.");
+ABSL_FLAG(int64_t, log_every, kDefaults.log_every, "Print a progress line every this many steps.");
+ABSL_FLAG(std::string, mesh, "", "RxS: replicate x shard ranks (HSDP when R > 1); default 1 x world size.");
+ABSL_FLAG(std::string, param_dtype, kDefaults.param_dtype, "fp32, bf16 or fp16: MixedPrecisionPolicy.param_dtype.");
+ABSL_FLAG(std::string, reduce_dtype, kDefaults.reduce_dtype, "fp32, bf16 or fp16: MixedPrecisionPolicy.reduce_dtype.");
+ABSL_FLAG(int64_t, threads, kDefaults.threads, "Intra-op threads per rank; 0: the cores divided among local ranks.");
+
+namespace {
+
+fsdp_train::TrainConfig config_from_flags() {
+  fsdp_train::TrainConfig c;
+  c.steps = absl::GetFlag(FLAGS_steps);
+  c.global_batch = absl::GetFlag(FLAGS_global_batch);
+  c.seq_len = absl::GetFlag(FLAGS_seq_len);
+  c.layers = absl::GetFlag(FLAGS_layers);
+  c.dim = absl::GetFlag(FLAGS_dim);
+  c.heads = absl::GetFlag(FLAGS_heads);
+  c.hidden = absl::GetFlag(FLAGS_hidden);
+  c.lr = absl::GetFlag(FLAGS_lr);
+  c.weight_decay = absl::GetFlag(FLAGS_weight_decay);
+  c.warmup = absl::GetFlag(FLAGS_warmup);
+  c.clip = absl::GetFlag(FLAGS_clip);
+  c.seed = absl::GetFlag(FLAGS_seed);
+  c.device = absl::GetFlag(FLAGS_device);
+  c.reshard_after_forward = absl::GetFlag(FLAGS_reshard_after_forward);
+  c.json_path = absl::GetFlag(FLAGS_json);
+  c.data_path = absl::GetFlag(FLAGS_data);
+  c.log_every = absl::GetFlag(FLAGS_log_every);
+  c.mesh = absl::GetFlag(FLAGS_mesh);
+  c.param_dtype = absl::GetFlag(FLAGS_param_dtype);
+  c.reduce_dtype = absl::GetFlag(FLAGS_reduce_dtype);
+  c.threads = absl::GetFlag(FLAGS_threads);
+  return c;
+}
+
+int env_int(const char* name, int fallback) {
+  const char* value = std::getenv(name);
+  int out = 0;
+  return value != nullptr && absl::SimpleAtoi(value, &out) ? out : fallback;
+}
+
+// A one-rank world without a launcher: an env:// rendezvous with itself on a
+// free local port.
+std::shared_ptr<fsdp::collectives::World> single_rank_world() {
+  const int port = fsdp_train::free_port();
+  TORCH_CHECK(port > 0, "fsdp_train: cannot find a free port on 127.0.0.1 for the single-rank rendezvous");
+  ::setenv("RANK", "0", 1);
+  ::setenv("WORLD_SIZE", "1", 1);
+  ::setenv("LOCAL_RANK", "0", 1);
+  ::setenv("LOCAL_WORLD_SIZE", "1", 1);
+  ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+  ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+  return fsdp::collectives::World::from_env();
+}
+
+int fail(const std::string& message, int code) {
+  std::fprintf(stderr, "fsdp_train: %s\n", message.c_str());
+  return code;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "trains a small transformer with fsdp2cpp's fully_shard.\n"
+      "  fsdp_train --nproc 2 [flags]        start 2 local ranks\n"
+      "  torchrun --nproc-per-node 2 --no-python fsdp_train [flags]\n"
+      "Flags may be written with dashes or underscores (--global-batch / --global_batch).");
+  // Abseil's flag names use underscores; accept dashes too.
+  std::vector<std::string> args = fsdp_train::normalize_flag_names(argc, argv);
+  std::vector<char*> cargs;
+  for (auto& a : args) cargs.push_back(a.data());
+  const std::vector<char*> positional = absl::ParseCommandLine(static_cast<int>(cargs.size()), cargs.data());
+  if (positional.size() > 1) return fail(std::string("unexpected argument '") + positional[1] + "' (see --help)", 2);
+
+  const fsdp_train::TrainConfig config = config_from_flags();
+  const std::optional<int> nproc = absl::GetFlag(FLAGS_nproc);
+  const bool torchrun_rank = std::getenv("RANK") != nullptr && std::getenv("WORLD_SIZE") != nullptr;
+  if (nproc && *nproc < 1) return fail("--nproc must be >= 1 (got " + std::to_string(*nproc) + ")", 2);
+  const int world_size = nproc ? *nproc : (torchrun_rank ? env_int("WORLD_SIZE", 1) : 1);
+  const int local_ranks = nproc ? *nproc : (torchrun_rank ? env_int("LOCAL_WORLD_SIZE", world_size) : 1);
+
+  // Everything that can be checked is checked before any rank starts.
+  if (const absl::Status s = fsdp_train::validate(config, world_size); !s.ok())
+    return fail(std::string(s.message()), 2);
+  if (const absl::Status s = fsdp_train::check_device(config, local_ranks); !s.ok()) {
+    return fail(std::string(s.message()), 2);
+  }
+  if (const auto corpus = fsdp_train::load_corpus(config.data_path, config.seq_len + 2); !corpus.ok()) {
+    return fail(std::string(corpus.status().message()), 2);
+  }
+  // Rank 0 (or the launcher) writes --json: fail now, not after training.
+  if (!config.json_path.empty() && (!torchrun_rank || env_int("RANK", 0) == 0)) {
+    if (std::FILE* f = std::fopen(config.json_path.c_str(), "a")) {
+      std::fclose(f);
+    } else {
+      return fail("--json: cannot write '" + config.json_path + "': " + std::strerror(errno), 2);
+    }
+  }
+  if (nproc) {
+    return fsdp_train::launch_local_ranks(*nproc, fsdp_train::remove_flag(args, "nproc"));
+  }
+
+  const std::string who = torchrun_rank ? std::string("[rank ") + std::getenv("RANK") + "] " : "";
+  try {
+    auto world = torchrun_rank ? fsdp::collectives::World::from_env() : single_rank_world();
+    fsdp_train::run_training(config, world);
+    return 0;
+  } catch (const c10::Error& e) {
+    return fail(who + "error: " + e.what_without_backtrace(), 1);
+  } catch (const std::exception& e) {
+    return fail(who + "error: " + e.what(), 1);
+  }
+}

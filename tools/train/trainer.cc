@@ -1,0 +1,270 @@
+#include "trainer.h"
+
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/cross_entropy_loss.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/tensor.h>
+#include <ATen/ops/zeros.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/util/Exception.h>
+#include <torch/cuda.h>
+#include <torch/optim/adamw.h>
+#include <torch/utils.h>
+
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "collectives/communicator.h"
+#include "data.h"
+#include "device_mesh/device_mesh.h"
+#include "fsdp2/clip_grad.h"
+#include "fsdp2/fully_shard.h"
+#include "fsdp2/module_call.h"
+#include "fsdp_common/config.h"
+#include "model.h"
+#include "report.h"
+
+#if FSDP2CPP_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
+namespace fsdp_train {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using fsdp::collectives::Communicator;
+using fsdp::collectives::ReduceOp;
+
+template <typename T>
+T value_or_throw(absl::StatusOr<T> result) {
+  if (!result.ok()) throw std::runtime_error(std::string(result.status().message()));
+  return *std::move(result);
+}
+
+// Linear warm-up to --lr over --warmup steps, then cosine decay to lr / 10.
+double learning_rate(const TrainConfig& c, int64_t step) {
+  if (step <= c.warmup) return c.lr * static_cast<double>(step) / static_cast<double>(c.warmup);
+  const double progress =
+      static_cast<double>(step - c.warmup) / static_cast<double>(std::max<int64_t>(1, c.steps - c.warmup));
+  return c.lr * (0.1 + 0.9 * 0.5 * (1.0 + std::cos(M_PI * progress)));
+}
+
+// This process's peak memory: the caching allocator's peak on CUDA, the
+// peak resident set size (getrusage) on CPU.
+int64_t peak_memory_bytes(const c10::Device& device) {
+#if FSDP2CPP_WITH_CUDA
+  if (device.is_cuda()) {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
+    return stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].peak;
+  }
+#endif
+  rusage usage{};
+  ::getrusage(RUSAGE_SELF, &usage);
+  return static_cast<int64_t>(usage.ru_maxrss) * 1024;  // KiB on Linux
+}
+
+// Host time blocked waiting for FSDP's all-gathers and reduce-scatters (on
+// CPU: the communication not hidden behind compute).
+struct CommSeconds {
+  double all_gather = 0;
+  double reduce_scatter = 0;
+};
+CommSeconds exposed_comm_seconds(const fsdp::FSDPModule& root) {
+  const fsdp::RuntimeStats stats = root.runtime_stats();
+  return {stats.all_gather_wait_seconds, stats.reduce_scatter_wait_seconds};
+}
+
+// Every rank's `values` (same length on each), rank-major, on every rank.
+template <typename T>
+std::vector<T> all_gather(Communicator& group, const std::vector<T>& values) {
+  const auto dtype = c10::CppTypeToScalarType<T>::value;
+  const at::Tensor input = at::tensor(values, dtype);
+  at::Tensor output = at::empty({group.size() * static_cast<int64_t>(values.size())}, dtype);
+  group.all_gather_into_tensor(output, input).wait();
+  return std::vector<T>(output.data_ptr<T>(), output.data_ptr<T>() + output.numel());
+}
+
+template <typename T>
+T all_reduce(Communicator& group, T value, ReduceOp op) {
+  at::Tensor t = at::tensor({value}, c10::CppTypeToScalarType<T>::value);
+  group.all_reduce(t, op).wait();
+  return t.item<T>();
+}
+
+c10::Device rank_device(const TrainConfig& config, const fsdp::collectives::World& world) {
+  if (config.device == "cpu") return c10::Device(c10::kCPU);
+  const int64_t gpus = static_cast<int64_t>(torch::cuda::device_count());
+  TORCH_CHECK(gpus > 0, "--device cuda: CUDA is not available on this machine; use --device cpu");
+  TORCH_CHECK(world.local_rank() < gpus, "--device cuda: local rank ", world.local_rank(), " has no GPU (", gpus,
+              " visible); start at most one rank per GPU");
+  const c10::Device device(c10::kCUDA, static_cast<c10::DeviceIndex>(world.local_rank()));
+  // NCCL communicators bind to the current device: set it before any group.
+  c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(device);
+  return device;
+}
+
+void print_header(const TrainConfig& c, const fsdp::DeviceMesh& mesh, const Corpus& corpus, const ModelConfig& m,
+                  int64_t params, int64_t local_params, int world_size) {
+  std::printf("fsdp_train: %d rank%s on %s (%s), mesh %s\n", world_size, world_size == 1 ? "" : "s", c.device.c_str(),
+              c.device == "cuda" ? "NCCL" : "Gloo", mesh.to_string().c_str());
+  std::printf(
+      "  model   %lld layers, dim %lld, %lld heads, SwiGLU hidden %lld, vocab %lld: %s parameters (%s on rank 0)\n",
+      static_cast<long long>(m.layers), static_cast<long long>(m.dim), static_cast<long long>(m.heads),
+      static_cast<long long>(m.hidden), static_cast<long long>(m.vocab),
+      format_count(static_cast<double>(params)).c_str(), format_count(static_cast<double>(local_params)).c_str());
+  std::printf("  data    %s (%s bytes); global batch %lld x %lld tokens, %lld rows per rank\n", corpus.source.c_str(),
+              format_count(static_cast<double>(corpus.bytes.numel())).c_str(), static_cast<long long>(c.global_batch),
+              static_cast<long long>(c.seq_len), static_cast<long long>(c.global_batch / world_size));
+  std::printf(
+      "  optim   AdamW lr %g (warm-up %lld, cosine to lr/10), weight decay %g, clip %g; %lld steps, seed %lld\n", c.lr,
+      static_cast<long long>(c.warmup), c.weight_decay, c.clip, static_cast<long long>(c.steps),
+      static_cast<long long>(c.seed));
+  std::printf(
+      "  fsdp    fully_shard on %lld blocks + root, reshard_after_forward=%s, param dtype %s, reduce dtype %s\n",
+      static_cast<long long>(m.layers), c.reshard_after_forward ? "true" : "false", c.param_dtype.c_str(),
+      c.reduce_dtype.c_str());
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+void run_training(const TrainConfig& c, const std::shared_ptr<fsdp::collectives::World>& world) {
+  const int rank = world->rank(), world_size = world->size();
+  const c10::Device device = rank_device(c, *world);
+  // Ranks on one machine share its cores.
+  const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
+  at::set_num_threads(static_cast<int>(c.threads > 0 ? c.threads : std::max<int64_t>(1, cores / world->local_size())));
+
+  const Corpus corpus = value_or_throw(load_corpus(c.data_path, c.seq_len + 2));
+  const BatchSampler sampler(corpus.bytes, c.global_batch, c.seq_len, c.seed);
+
+  // The mesh: 1-D over all ranks, or (--mesh RxS, R > 1) 2-D for HSDP.
+  const MeshShape shape = value_or_throw(parse_mesh(c.mesh, world_size));
+  const fsdp::DeviceMesh mesh =
+      shape.replicate > 1
+          ? fsdp::init_device_mesh(world, device.type(), {shape.replicate, shape.shard}, {"replicate", "shard"})
+          : fsdp::init_device_mesh(world, device.type(), {world_size}, {"shard"});
+  // A CPU group over all ranks for the metrics (loss, memory, timings).
+  const std::shared_ptr<Communicator> metrics = world->new_group(world->all_ranks(), c10::kCPU);
+
+  // The same initial parameters on every rank: seed, build on CPU, move.
+  ModelConfig mc;
+  mc.dim = c.dim;
+  mc.layers = c.layers;
+  mc.heads = c.heads;
+  mc.hidden = hidden_size(c);
+  mc.max_seq_len = c.seq_len;
+  torch::manual_seed(static_cast<uint64_t>(c.seed));
+  auto model = std::make_shared<Transformer>(mc);
+  model->to(device);
+  int64_t params = 0;
+  for (const auto& p : model->parameters()) params += p.numel();
+
+  // Shard each block (one communication group each), then the root, which
+  // takes the remaining parameters (embeddings, final norm, output).
+  fsdp::FullyShardOptions options;
+  options.mesh = mesh;
+  options.mp_policy.param_dtype = value_or_throw(parse_dtype("param-dtype", c.param_dtype));
+  options.mp_policy.reduce_dtype = value_or_throw(parse_dtype("reduce-dtype", c.reduce_dtype));
+  fsdp::FullyShardOptions block_options = options;
+  block_options.reshard_after_forward = c.reshard_after_forward;
+  for (auto& block : model->blocks) fsdp::fully_shard(block, block_options);
+  fsdp::FSDPModule root = fsdp::fully_shard(model, options);
+
+  // The optimizer comes after fully_shard: it must see the sharded parameters.
+  torch::optim::AdamW optim(model->parameters(),
+                            torch::optim::AdamWOptions(c.lr).betas({0.9, 0.95}).weight_decay(c.weight_decay));
+  int64_t local_params = 0;
+  for (const auto& p : model->parameters()) local_params += p.numel();
+
+  if (rank == 0) print_header(c, mesh, corpus, mc, params, local_params, world_size);
+  Progress progress(c.steps, c.log_every);
+  std::vector<StepRecord> records;
+  const double tokens_per_step = static_cast<double>(c.global_batch * c.seq_len);
+  double step_seconds_total = 0;
+  for (int64_t step = 1; step <= c.steps; ++step) {
+    const auto start = Clock::now();
+    for (auto& group : optim.param_groups()) {
+      static_cast<torch::optim::AdamWOptions&>(group.options()).lr(learning_rate(c, step));
+    }
+    // This rank's rows of global batch `step`.
+    const Batch batch = sampler.local_batch(step, rank, world_size);
+    const at::Tensor inputs = batch.inputs.to(device), targets = batch.targets.to(device);
+
+    optim.zero_grad();
+    const at::Tensor logits = fsdp::call_module(*model, inputs);  // the root, through its FSDP hooks
+    const at::Tensor loss = at::cross_entropy_loss(logits.flatten(0, 1).to(at::kFloat), targets.flatten());
+    loss.backward();
+    if (c.clip > 0) fsdp::clip_grad_norm_(root, c.clip);
+    optim.step();
+    const double local_loss = loss.item<double>();
+    if (device.is_cuda()) torch::cuda::synchronize(device.index());
+    const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+    step_seconds_total += seconds;
+
+    // The global batch's loss: every rank has the same number of rows, so the
+    // mean of the ranks' means is the global mean.
+    StepRecord record;
+    record.step = step;
+    record.loss = all_reduce(*metrics, local_loss, ReduceOp::sum()) / world_size;
+    record.peak_mem_bytes = all_reduce(*metrics, peak_memory_bytes(device), ReduceOp::max());
+    record.seconds = all_reduce(*metrics, seconds, ReduceOp::max());
+    record.tokens_per_s = tokens_per_step / record.seconds;
+    records.push_back(record);
+    if (rank == 0) progress.update(record);
+  }
+  if (rank == 0) progress.finish();
+
+  // Per-rank summary numbers, gathered (collective: every rank takes part).
+  const std::vector<int64_t> peaks = all_gather(*metrics, std::vector<int64_t>{peak_memory_bytes(device)});
+  const CommSeconds comm = exposed_comm_seconds(root);
+  const std::vector<double> times =
+      all_gather(*metrics, std::vector<double>{comm.all_gather, comm.reduce_scatter, step_seconds_total});
+  if (rank == 0) {
+    double ag = 0, rs = 0, total = 0;
+    for (int r = 0; r < world_size; ++r) {
+      ag += times[3 * r] / world_size;
+      rs += times[3 * r + 1] / world_size;
+      total += times[3 * r + 2] / world_size;
+    }
+    double timed = 0;
+    for (const auto& r : records) timed += r.step > 1 || records.size() == 1 ? r.seconds : 0.0;
+    const double timed_steps = records.size() > 1 ? static_cast<double>(records.size() - 1) : 1.0;
+    std::vector<std::string> peak_text;
+    for (int r = 0; r < world_size; ++r) peak_text.push_back(absl::StrFormat("rank %d %s", r, format_bytes(peaks[r])));
+    const double exposed = ag + rs;
+    std::printf("summary\n");
+    std::printf("  world size    %d, mesh %s\n", world_size, mesh.to_string().c_str());
+    std::printf("  loss          %.4f (step 1) -> %.4f (step %lld)\n", records.front().loss, records.back().loss,
+                static_cast<long long>(records.back().step));
+    std::printf("  throughput    %s tokens/s mean%s\n", format_count(tokens_per_step * timed_steps / timed).c_str(),
+                records.size() > 1 ? " (steps 2.., step 1 is warm-up)" : "");
+    std::printf("  step time     %.2f s (mean over ranks)\n", total);
+    std::printf("  exposed comm  %.2f s (%.1f%%): all-gather wait %.2f s, reduce-scatter wait %.2f s%s\n", exposed,
+                100.0 * exposed / total, ag, rs,
+                device.is_cuda() ? " (host-blocked only; on CUDA use a profiler)" : "");
+    std::printf("  compute+rest  %.2f s (%.1f%%)\n", total - exposed, 100.0 * (total - exposed) / total);
+    std::printf("  peak memory   %s (%s)\n", absl::StrJoin(peak_text, ", ").c_str(),
+                device.is_cuda() ? "CUDA caching allocator" : "max RSS");
+    std::fflush(stdout);
+    if (!c.json_path.empty()) {
+      const absl::Status written = write_json(c.json_path, world_size, mesh.to_string(), records);
+      if (!written.ok()) throw std::runtime_error(std::string(written.message()));
+      std::printf("  json          %s\n", c.json_path.c_str());
+      std::fflush(stdout);
+    }
+  }
+}
+
+}  // namespace fsdp_train
