@@ -64,5 +64,29 @@ TEST(FsdpTrainParity, LossesAgreeAcrossWorldSizesAndFall) {
   EXPECT_NEAR(one.losses.front(), std::log(256.0), 0.5) << "a fresh byte-level model starts near ln(256)";
 }
 
+// HSDP (2 replicas x 2 shards) trains exactly as one rank does. Global batch
+// 8 (divisible by 4 and 1).
+TEST(FsdpTrainParity, HsdpMeshMatchesOneRank) {
+  ScratchDir dir;
+  auto run = [&](int world_size, const std::string& mesh) {
+    const std::string json = dir.file("hsdp" + std::to_string(world_size) + ".json");
+    std::vector<std::string> args = small_run_flags(json);
+    args[3] = "8";  // --global-batch
+    args[1] = "10";  // --steps
+    if (world_size > 1) args.insert(args.end(), {"--nproc", std::to_string(world_size), "--mesh", mesh});
+    const RunResult result = run_program(FSDP_TRAIN_BINARY, args);
+    EXPECT_EQ(result.exit_code, 0) << result.output;
+    return read_train_json(json);
+  };
+  const TrainRecord one = run(1, "");
+  const TrainRecord hsdp = run(4, "2x2");
+  ASSERT_TRUE(one.ok && hsdp.ok);
+  EXPECT_EQ(hsdp.world_size, 4);
+  ASSERT_EQ(hsdp.losses.size(), one.losses.size());
+  for (size_t i = 0; i < one.losses.size(); ++i) {
+    EXPECT_NEAR(hsdp.losses[i], one.losses[i], 1e-4 * std::abs(one.losses[i])) << "step " << i + 1;
+  }
+}
+
 }  // namespace
 }  // namespace fsdp_train_test
