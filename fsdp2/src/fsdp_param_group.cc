@@ -110,13 +110,13 @@ void FSDPParamGroup::unshard(bool async_op) {
     output = at::empty({world * padded_total_}, options);
     const int64_t input_numel = output.numel() / comm->size();
     c10::NoGradGuard no_grad;
-    if (from_post_forward && !streams.enabled()) {
+    // NCCL gathers in place from the output's own slice; Gloo gets a
+    // separate input, as its all-gather copies the input into the output.
+    const bool in_place = comm->backend_kind() == collectives::BackendKind::kNccl;
+    if (from_post_forward && !in_place) {
       input = post_forward_shard_;
     } else {
-      // NCCL gathers in place from the output's own slice; Gloo gets a
-      // separate input, as its all-gather copies the input into the output.
-      input = streams.enabled() ? output.narrow(0, comm->rank() * input_numel, input_numel)
-                                : at::empty({input_numel}, options);
+      input = in_place ? output.narrow(0, comm->rank() * input_numel, input_numel) : at::empty({input_numel}, options);
       if (from_post_forward) {
         input.copy_(post_forward_shard_);
       } else {
