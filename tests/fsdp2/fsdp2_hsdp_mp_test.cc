@@ -26,6 +26,8 @@ struct Controls {
   bool skip_all_reduce_before_last = false;
   std::optional<double> divide_factor;
   bool force_sum = false;
+  // set_all_reduce_hook on every module, scaling the reduced gradients.
+  std::optional<double> hook_scale;
 };
 
 // Trains the MLP (every block + root) on `ctx.mesh()` with AdamW for 5 steps
@@ -37,15 +39,29 @@ void expect_hsdp_matches_reference(testing::RankContext& ctx, const Controls& c)
   FullyShardOptions fs;
   fs.mesh = ctx.mesh();
   fs.reshard_after_forward = c.reshard_after_forward;
-  for (auto& block : model->blocks()) fully_shard(block, fs);
+  std::vector<FSDPModule> modules;
+  for (auto& block : model->blocks()) modules.push_back(fully_shard(block, fs));
   FSDPModule root = fully_shard(model, fs);
+  modules.push_back(root);
+  int hook_calls = 0;
+  if (c.hook_scale) {
+    for (auto& m : modules) {
+      m.set_all_reduce_hook([&hook_calls, scale = *c.hook_scale](at::Tensor& reduced) {
+        ++hook_calls;
+        reduced.mul_(scale);
+      });
+    }
+  }
+  // Accepted everywhere; on CPU there are no streams to order.
+  root.set_post_optim_event(std::make_shared<c10::Event>(c10::kCPU));
   if (c.divide_factor) root.set_gradient_divide_factor(*c.divide_factor);
   if (c.force_sum) root.set_force_sum_reduction_for_comms(true);
   torch::optim::AdamW optim(model->parameters(), torch::optim::AdamWOptions(1e-2));
   torch::optim::AdamW ref_optim(reference->parameters(), torch::optim::AdamWOptions(1e-2));
   // A divide factor f instead of the world size W scales the gradients by
   // W / f; the reference's loss is scaled the same way.
-  const double grad_scale = c.divide_factor ? ctx.world_size() / *c.divide_factor : 1.0;
+  const double grad_scale =
+      (c.divide_factor ? ctx.world_size() / *c.divide_factor : 1.0) * (c.hook_scale ? *c.hook_scale : 1.0);
   for (int step = 0; step < 5; ++step) {
     const Batch batch = make_batch(ModelKind::kMlp, step, 12 * c.micro_batches);
     ref_optim.zero_grad();
@@ -67,6 +83,17 @@ void expect_hsdp_matches_reference(testing::RankContext& ctx, const Controls& c)
     EXPECT_NEAR(mean_over_ranks(ctx, loss_sum), ref_loss, 1e-5 * std::abs(ref_loss)) << "step " << step;
   }
   expect_params_match(*model, *reference, ctx.mesh());
+  // The last step's gradients themselves, which AdamW's scale invariance
+  // would not show in the parameters.
+  auto ref_params = reference->named_parameters();
+  for (const auto& item : model->named_parameters()) {
+    const at::Tensor& ref_grad = ref_params[item.key()].grad();
+    expect_close(full_param(item.value().grad(), ref_grad.sizes().vec(), ctx.mesh()), ref_grad,
+                 item.key() + ".grad");
+  }
+  if (c.hook_scale) {
+    EXPECT_EQ(hook_calls, 5 * static_cast<int>(modules.size()));
+  }
 }
 
 struct MeshCase {
@@ -96,6 +123,10 @@ TEST_P(Hsdp, MatchesUnshardedTrainingWithAndWithoutAllReduce) {
     {
       SCOPED_TRACE("gradient divide factor 2");
       expect_hsdp_matches_reference(ctx, {.divide_factor = 2.0});
+    }
+    {
+      SCOPED_TRACE("all-reduce hook scaling the reduced gradients");
+      expect_hsdp_matches_reference(ctx, {.hook_scale = 0.5});
     }
   });
 }
