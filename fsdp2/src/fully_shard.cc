@@ -3,6 +3,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include <ATen/ATen.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 
@@ -118,7 +119,9 @@ FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, const F
         break;
       }
     }
-    mesh = init_device_mesh(options.world, type, {options.world->size()});
+    // One group for every module sharded this way, not one per call.
+    auto group = options.world->shared_group(options.world->all_ranks(), type);
+    mesh = DeviceMesh::from_communicators(options.world, at::arange(options.world->size(), at::kLong), {group});
   }
   detail::check_mesh(*mesh, name);
   const c10::Device device = detail::mesh_device(*mesh);

@@ -293,6 +293,25 @@ TEST_P(Behaviors, UnshardAndReshardByHand) {
   });
 }
 
+TEST_P(Behaviors, DefaultMeshOverTheWorldIsSharedByEveryModule) {
+  testing::run_distributed(GetParam(), [](testing::RankContext& ctx) {
+    std::vector<FSDPModule> modules;
+    expect_matches(
+        ctx, std::static_pointer_cast<MLP>(make_model(ModelKind::kMlp)),
+        std::static_pointer_cast<MLP>(make_model(ModelKind::kMlp)),
+        [&](auto& m) {
+          FullyShardOptions o;
+          o.world = ctx.world();
+          for (auto& b : m->blocks()) modules.push_back(fully_shard(b, o));
+          modules.push_back(fully_shard(m, FullyShardOptions{}));  // the root takes its children's mesh
+        },
+        [](auto& m, const at::Tensor& x, const at::Tensor& y, bool ref) {
+          return ref ? m.forward(x, y) : call_module(m, x, y);
+        });
+    for (auto& m : modules) EXPECT_EQ(m.mesh().group(0), modules.front().mesh().group(0));
+  });
+}
+
 INSTANTIATE_TEST_SUITE_P(WorldSizes, Behaviors, ::testing::Values(1, 2, 3, 4),
                          [](const auto& info) { return "world" + std::to_string(info.param); });
 

@@ -99,7 +99,8 @@ struct FullyShardOptions {
   // Unset: the mesh of the already-sharded
   // submodules, else a 1-D mesh over `world` on the parameters' device.
   std::optional<DeviceMesh> mesh;
-  // Used only to build the default mesh when `mesh` is unset.
+  // Used only to build the default mesh when `mesh` is unset: a 1-D mesh
+  // over all of `world`'s ranks, whose group every such call shares.
   std::shared_ptr<collectives::World> world;
   // true: free the unsharded parameters after forward (all-gather again in
   // backward); false: keep them until after backward; an integer: see
