@@ -20,13 +20,13 @@ LogLevel level_from_env() {
     const char* name;
     LogLevel level;
   };
-  static constexpr Name kNames[] = {{"trace", LogLevel::kTrace}, {"debug", LogLevel::kDebug},
-                                    {"info", LogLevel::kInfo},   {"warn", LogLevel::kWarn},
-                                    {"error", LogLevel::kError}, {"off", LogLevel::kOff}};
+  static constexpr Name kNames[] = {{"trace", LogLevel::kTrace}, {"debug", LogLevel::kDebug}, {"info", LogLevel::kInfo},
+                                    {"warn", LogLevel::kWarn},   {"error", LogLevel::kError}, {"off", LogLevel::kOff}};
   for (const auto& n : kNames) {
     if (std::strcmp(value, n.name) == 0) return n.level;
   }
-  std::fprintf(stderr, "fsdp2cpp: unknown FSDP2CPP_LOG_LEVEL '%s' (use trace, debug, info, warn, error or off); using warn\n",
+  std::fprintf(stderr,
+               "fsdp2cpp: unknown FSDP2CPP_LOG_LEVEL '%s' (use trace, debug, info, warn, error or off); using warn\n",
                value);
   return LogLevel::kWarn;
 }

@@ -3,8 +3,8 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/StorageImpl.h>
-#include <c10/util/strides.h>
 #include <c10/util/Exception.h>
+#include <c10/util/strides.h>
 #include <torch/csrc/autograd/variable.h>
 
 namespace fsdp::detail {
@@ -31,8 +31,8 @@ void alloc_storage(const at::Tensor& t, size_t nbytes) {
 // (no copy), so it is made this way.
 at::Tensor alias_storage(const at::Tensor& base, int64_t offset, c10::IntArrayRef sizes) {
   c10::NoGradGuard no_grad;
-  return at::empty({0}, base.options()).set_(base.storage(), base.storage_offset() + offset, sizes,
-                                             c10::contiguous_strides(sizes));
+  return at::empty({0}, base.options())
+      .set_(base.storage(), base.storage_offset() + offset, sizes, c10::contiguous_strides(sizes));
 }
 
 }  // namespace
@@ -80,8 +80,8 @@ int64_t FSDPParam::unsharded_storage_bytes() const {
 
 void FSDPParam::to_unsharded() {
   if (state_ == ShardedState::kUnsharded) return;
-  TORCH_INTERNAL_ASSERT(unsharded_storage_bytes() > 0 || unsharded_numel_ == 0,
-                        "fsdp2: ", fqn_, " is unsharded before its all-gather output exists");
+  TORCH_INTERNAL_ASSERT(unsharded_storage_bytes() > 0 || unsharded_numel_ == 0, "fsdp2: ", fqn_,
+                        " is unsharded before its all-gather output exists");
   stash_sharded_grad();
   param_.set_data(unsharded_view_);
   state_ = ShardedState::kUnsharded;

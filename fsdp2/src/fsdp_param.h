@@ -107,11 +107,11 @@ class FSDPParam {
   std::vector<int64_t> sharded_shape_;
   int64_t unsharded_numel_;
   int64_t padded_shard_numel_;
-  at::Tensor padded_shard_;      // this rank's rows, zero-padded, 1-D
-  at::Tensor sharded_view_;      // padded_shard_ rows as P's sharded shape
-  at::Tensor unsharded_buffer_;  // world * padded_shard_numel_, storage freed while sharded
-  at::Tensor unsharded_view_;    // unsharded_buffer_ prefix as P's full shape
-  at::Tensor sharded_grad_;      // a sharded .grad kept aside while unsharded
+  at::Tensor padded_shard_;                // this rank's rows, zero-padded, 1-D
+  at::Tensor sharded_view_;                // padded_shard_ rows as P's sharded shape
+  at::Tensor unsharded_buffer_;            // world * padded_shard_numel_, storage freed while sharded
+  at::Tensor unsharded_view_;              // unsharded_buffer_ prefix as P's full shape
+  at::Tensor sharded_grad_;                // a sharded .grad kept aside while unsharded
   at::Tensor unsharded_accumulated_grad_;  // no-sync accumulation
   ShardedState state_ = ShardedState::kSharded;
 };

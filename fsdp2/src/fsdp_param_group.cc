@@ -3,8 +3,8 @@
 #include <chrono>
 
 #include <ATen/ATen.h>
-#include <c10/core/GradMode.h>
 #include <ATen/record_function.h>
+#include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/grad_mode.h>
@@ -59,8 +59,8 @@ FSDPParamGroup::FSDPParamGroup(std::vector<at::Tensor> params, std::vector<std::
   param_dtype_ = mp_policy.param_dtype.value_or(params.front().scalar_type());
   reduce_dtype_ = mp_policy.reduce_dtype.value_or(param_dtype_);
   for (size_t i = 0; i < params.size(); ++i) {
-    params_.push_back(std::make_unique<FSDPParam>(std::move(params[i]), std::move(param_names[i]),
-                                                  shard_comm_->rank(), shard_comm_->size(), param_dtype_));
+    params_.push_back(std::make_unique<FSDPParam>(std::move(params[i]), std::move(param_names[i]), shard_comm_->rank(),
+                                                  shard_comm_->size(), param_dtype_));
     padded_numels_.push_back(params_.back()->padded_shard_numel());
     padded_total_ += padded_numels_.back();
   }
@@ -364,8 +364,8 @@ void FSDPParamGroup::post_backward() {
   }
   comm_ctx_->stats.reduce_scatters += 1;
   comm_ctx_->stats.reduce_scatter_bytes += input.numel() * static_cast<int64_t>(input.element_size());
-  pending_reduce_ = PendingReduce{std::move(work),     std::move(output), std::move(params_with_grad),
-                                  all_reduce_op,       post_divide,       settings_.all_reduce_grads,
+  pending_reduce_ = PendingReduce{std::move(work), std::move(output), std::move(params_with_grad),
+                                  all_reduce_op,   post_divide,       settings_.all_reduce_grads,
                                   rs_stream};
   comm_ctx_->last_reduce_scatter_input = std::move(input);
   // On CPU the reduce-scatter runs on Gloo's threads while backward goes on;

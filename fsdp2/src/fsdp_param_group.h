@@ -13,9 +13,9 @@
 #include <c10/core/Device.h>
 
 #include "collectives/work.h"
+#include "device_mesh/device_mesh.h"
 #include "fsdp2/fully_shard.h"
 #include "fsdp2/module_call.h"
-#include "device_mesh/device_mesh.h"
 #include "fsdp_param.h"
 #include "streams.h"
 
@@ -70,7 +70,7 @@ struct PendingReduce {
 struct GroupSettings {
   bool reshard_after_forward = true;
   bool reshard_after_backward = true;
-  bool reduce_grads = true;     // set_requires_gradient_sync
+  bool reduce_grads = true;      // set_requires_gradient_sync
   bool all_reduce_grads = true;  // set_requires_all_reduce (HSDP)
   bool unshard_in_backward = true;
   std::optional<double> gradient_divide_factor;
@@ -134,15 +134,14 @@ class FSDPParamGroup {
   // The reduce-scatter and all-reduce ops and the division left to do after
   // them, so that gradients are averaged over the data-parallel world (or
   // divided by the divide factor) on every backend.
-  void reduce_ops(collectives::ReduceOp* reduce_scatter, collectives::ReduceOp* all_reduce,
-                  double* post_divide) const;
+  void reduce_ops(collectives::ReduceOp* reduce_scatter, collectives::ReduceOp* all_reduce, double* post_divide) const;
 
   std::vector<std::unique_ptr<FSDPParam>> params_;
   DeviceMesh mesh_;
   std::shared_ptr<collectives::Communicator> shard_comm_;
   std::shared_ptr<collectives::Communicator> replicate_comm_;  // HSDP only
   std::shared_ptr<collectives::Communicator> post_forward_comm_;
-  at::Tensor post_forward_shard_;  // kShardedPostForward: this rank's 1/k of the all-gather output
+  at::Tensor post_forward_shard_;     // kShardedPostForward: this rank's 1/k of the all-gather output
   at::Tensor partial_reduce_output_;  // HSDP without all-reduce: summed reduce-scatter outputs
   c10::ScalarType param_dtype_;
   c10::ScalarType reduce_dtype_;

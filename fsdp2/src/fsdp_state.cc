@@ -103,7 +103,8 @@ void FSDPState::pre_forward(TensorRefs& inputs) {
   }
   if (group_) group_->pre_forward(inputs);
   for (const auto& weak : forward_prefetch) {
-    if (auto target = weak.lock(); target && target->group_) prefetch_unshard(target->group_.get(), TrainingState::kForward);
+    if (auto target = weak.lock(); target && target->group_)
+      prefetch_unshard(target->group_.get(), TrainingState::kForward);
   }
 }
 
@@ -209,8 +210,9 @@ void FSDPState::pre_backward() {
 }
 
 void FSDPState::prefetch_unshard(FSDPParamGroup* target, TrainingState state) {
-  PhaseScope phase(std::string(state == TrainingState::kForward ? "FSDP::forward_prefetch" : "FSDP::backward_prefetch") +
-                   " for " + target->module_fqn());
+  PhaseScope phase(
+      std::string(state == TrainingState::kForward ? "FSDP::forward_prefetch" : "FSDP::backward_prefetch") + " for " +
+      target->module_fqn());
   const TrainingState saved = target->training_state();
   target->set_training_state(state);
   target->unshard(/*async_op=*/false);

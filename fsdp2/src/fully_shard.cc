@@ -59,8 +59,9 @@ bool name_has(const std::string& name, const char* word) { return name.find(word
 void check_mesh(const DeviceMesh& mesh, const std::string& name) {
   const auto& names = mesh.dim_names();
   if (mesh.ndim() == 1) {
-    TORCH_CHECK(names.empty() || !name_has(names[0], "replicate"), "fully_shard: module '", name,
-                "': the 1-D mesh ", mesh.to_string(), " is named as an HSDP replicate dim, but a 1-D mesh shards "
+    TORCH_CHECK(names.empty() || !name_has(names[0], "replicate"), "fully_shard: module '", name, "': the 1-D mesh ",
+                mesh.to_string(),
+                " is named as an HSDP replicate dim, but a 1-D mesh shards "
                 "(FSDP). For HSDP pass a 2-D mesh with dims (replicate, shard).");
     return;
   }
@@ -69,10 +70,12 @@ void check_mesh(const DeviceMesh& mesh, const std::string& name) {
   TORCH_CHECK(names.size() == 2, "fully_shard: module '", name, "': the 2-D mesh ", mesh.to_string(),
               " has no dim names; HSDP needs them to tell the dims apart: name them {\"replicate\", \"shard\"}");
   TORCH_CHECK(!(name_has(names[0], "shard") && name_has(names[1], "replicate")), "fully_shard: module '", name,
-              "': the 2-D mesh ", mesh.to_string(), " has its dims in the wrong order; HSDP meshes are "
+              "': the 2-D mesh ", mesh.to_string(),
+              " has its dims in the wrong order; HSDP meshes are "
               "(replicate, shard): build it with shape {replicas, shards} and names {\"replicate\", \"shard\"}");
   TORCH_CHECK(name_has(names[0], "replicate") && name_has(names[1], "shard"), "fully_shard: module '", name,
-              "': the 2-D mesh ", mesh.to_string(), " must be named (replicate, shard), e.g. {\"replicate\", "
+              "': the 2-D mesh ", mesh.to_string(),
+              " must be named (replicate, shard), e.g. {\"replicate\", "
               "\"shard\"} or {\"dp_replicate\", \"dp_shard\"}");
 }
 
@@ -160,8 +163,8 @@ FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, const F
     TORCH_CHECK(p.device().type() == device.type() && (device.type() == c10::kCPU || p.device() == device),
                 "fully_shard: parameter '", item.key(), "' of module '", name, "' is on ", p.device(),
                 " but the mesh's device is ", device, "; move the module to ", device, " before sharding");
-    TORCH_CHECK(!mp.param_dtype || p.is_floating_point(), "fully_shard: module '", name, "': parameter '",
-                item.key(), "' is ", p.scalar_type(), "; a MixedPrecisionPolicy::param_dtype needs floating-point parameters");
+    TORCH_CHECK(!mp.param_dtype || p.is_floating_point(), "fully_shard: module '", name, "': parameter '", item.key(),
+                "' is ", p.scalar_type(), "; a MixedPrecisionPolicy::param_dtype needs floating-point parameters");
     if (!params.empty()) {
       TORCH_CHECK(p.scalar_type() == params.front().scalar_type(), "fully_shard: module '", name,
                   "' mixes dtypes in one group: parameter '", names.front(), "' is ", params.front().scalar_type(),
@@ -179,8 +182,7 @@ FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, const F
     group = std::make_unique<detail::FSDPParamGroup>(std::move(params), std::move(names), *mesh, device, mp,
                                                      std::move(post_forward_comm));
   }
-  auto state =
-      std::make_shared<FSDPState>(module, *mesh, device, std::move(group), options.reshard_after_forward, mp);
+  auto state = std::make_shared<FSDPState>(module, *mesh, device, std::move(group), options.reshard_after_forward, mp);
   for (const auto& child : children) {
     if (!child->parent()) child->set_parent(state);
   }
@@ -328,8 +330,6 @@ void FSDPModule::reset_runtime_stats() {
   if (auto* ctx = state_->context()) ctx->comm.stats = RuntimeStats{};
 }
 
-int64_t FSDPModule::unsharded_bytes() const {
-  return state_->group() ? state_->group()->unsharded_storage_bytes() : 0;
-}
+int64_t FSDPModule::unsharded_bytes() const { return state_->group() ? state_->group()->unsharded_storage_bytes() : 0; }
 
 }  // namespace fsdp

@@ -128,8 +128,8 @@ void remove_hook(torch::nn::Module& module, HookId id) {
     auto matches = [id](const auto& h) { return h.first == id; };
     hooks->pre.erase(std::remove_if(hooks->pre.begin(), hooks->pre.end(), matches), hooks->pre.end());
     hooks->post.erase(std::remove_if(hooks->post.begin(), hooks->post.end(), matches), hooks->post.end());
-    TORCH_CHECK(hooks->pre.size() + hooks->post.size() < before, "fsdp2: hook ", id,
-                " is not registered on module '", module.name(), "'");
+    TORCH_CHECK(hooks->pre.size() + hooks->post.size() < before, "fsdp2: hook ", id, " is not registered on module '",
+                module.name(), "'");
     e.hooks = hooks->pre.empty() && hooks->post.empty() ? nullptr : std::move(hooks);
   });
 }

@@ -14,8 +14,8 @@ namespace {
 // with `loss_of(module, x, y, is_reference)`, comparing losses and final
 // parameters. The batch is an MLP batch (x: [12, 7], y: [12, 3]).
 template <typename M, typename ShardFn, typename LossFn>
-void expect_matches(testing::RankContext& ctx, std::shared_ptr<M> model, std::shared_ptr<M> reference,
-                    ShardFn&& shard, LossFn&& loss_of, int steps = 3) {
+void expect_matches(testing::RankContext& ctx, std::shared_ptr<M> model, std::shared_ptr<M> reference, ShardFn&& shard,
+                    LossFn&& loss_of, int steps = 3) {
   shard(model);
   torch::optim::SGD optim(model->parameters(), torch::optim::SGDOptions(0.1));
   torch::optim::SGD ref_optim(reference->parameters(), torch::optim::SGDOptions(0.1));

@@ -9,17 +9,17 @@ namespace {
 
 // Asserts that `statement` throws a c10::Error whose message contains every
 // one of `fragments`.
-#define EXPECT_THROW_WITH(statement, ...)                                                 \
-  do {                                                                                    \
-    try {                                                                                 \
-      statement;                                                                          \
-      ADD_FAILURE() << "expected an error from: " #statement;                             \
-    } catch (const c10::Error& e) {                                                       \
-      for (const char* fragment : {__VA_ARGS__}) {                                        \
-        EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos)                \
-            << "message lacks '" << fragment << "': " << e.what_without_backtrace();      \
-      }                                                                                   \
-    }                                                                                     \
+#define EXPECT_THROW_WITH(statement, ...)                                            \
+  do {                                                                               \
+    try {                                                                            \
+      statement;                                                                     \
+      ADD_FAILURE() << "expected an error from: " #statement;                        \
+    } catch (const c10::Error& e) {                                                  \
+      for (const char* fragment : {__VA_ARGS__}) {                                   \
+        EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos)           \
+            << "message lacks '" << fragment << "': " << e.what_without_backtrace(); \
+      }                                                                              \
+    }                                                                                \
   } while (false)
 
 FullyShardOptions mesh_options(testing::RankContext& ctx) {
@@ -68,8 +68,8 @@ TEST(FullyShardErrors, MisuseGivesClearErrors) {
     }
     {
       SCOPED_TRACE("mixed dtypes in one group");
-      EXPECT_THROW_WITH(fully_shard(std::make_shared<MixedDtypes>(), mesh_options(ctx)), "mixes dtypes", "'a'",
-                        "'b'", "Double");
+      EXPECT_THROW_WITH(fully_shard(std::make_shared<MixedDtypes>(), mesh_options(ctx)), "mixes dtypes", "'a'", "'b'",
+                        "Double");
     }
     {
       SCOPED_TRACE("offload not supported yet, no mesh");

@@ -6,17 +6,17 @@
 namespace fsdp::test {
 namespace {
 
-#define EXPECT_THROW_WITH(statement, ...)                                                 \
-  do {                                                                                    \
-    try {                                                                                 \
-      statement;                                                                          \
-      ADD_FAILURE() << "expected an error from: " #statement;                             \
-    } catch (const c10::Error& e) {                                                       \
-      for (const char* fragment : {__VA_ARGS__}) {                                        \
-        EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos)                \
-            << "message lacks '" << fragment << "': " << e.what_without_backtrace();      \
-      }                                                                                   \
-    }                                                                                     \
+#define EXPECT_THROW_WITH(statement, ...)                                            \
+  do {                                                                               \
+    try {                                                                            \
+      statement;                                                                     \
+      ADD_FAILURE() << "expected an error from: " #statement;                        \
+    } catch (const c10::Error& e) {                                                  \
+      for (const char* fragment : {__VA_ARGS__}) {                                   \
+        EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos)           \
+            << "message lacks '" << fragment << "': " << e.what_without_backtrace(); \
+      }                                                                              \
+    }                                                                                \
   } while (false)
 
 struct Controls {
@@ -88,8 +88,7 @@ void expect_hsdp_matches_reference(testing::RankContext& ctx, const Controls& c)
   auto ref_params = reference->named_parameters();
   for (const auto& item : model->named_parameters()) {
     const at::Tensor& ref_grad = ref_params[item.key()].grad();
-    expect_close(full_param(item.value().grad(), ref_grad.sizes().vec(), ctx.mesh()), ref_grad,
-                 item.key() + ".grad");
+    expect_close(full_param(item.value().grad(), ref_grad.sizes().vec(), ctx.mesh()), ref_grad, item.key() + ".grad");
   }
   if (c.hook_scale) {
     EXPECT_EQ(hook_calls, 5 * static_cast<int>(modules.size()));
@@ -131,7 +130,8 @@ TEST_P(Hsdp, MatchesUnshardedTrainingWithAndWithoutAllReduce) {
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(Meshes, Hsdp, ::testing::Values(MeshCase{2, 2}, MeshCase{1, 4}, MeshCase{4, 1}, MeshCase{2, 3}),
+INSTANTIATE_TEST_SUITE_P(Meshes, Hsdp,
+                         ::testing::Values(MeshCase{2, 2}, MeshCase{1, 4}, MeshCase{4, 1}, MeshCase{2, 3}),
                          [](const auto& info) {
                            return std::to_string(info.param.replicas) + "x" + std::to_string(info.param.shards);
                          });

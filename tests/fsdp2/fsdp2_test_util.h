@@ -23,8 +23,7 @@ inline std::unique_ptr<torch::optim::Optimizer> make_optimizer(Optim kind, std::
   if (kind == Optim::kSgd) {
     return std::make_unique<torch::optim::SGD>(std::move(params), torch::optim::SGDOptions(0.1).momentum(0.9));
   }
-  return std::make_unique<torch::optim::AdamW>(std::move(params),
-                                               torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
+  return std::make_unique<torch::optim::AdamW>(std::move(params), torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
 }
 
 // Rows [rank's torch.chunk slice] of a global batch.
@@ -60,7 +59,8 @@ inline std::shared_ptr<LossModel> make_model(ModelKind kind) {
 
 // The full value of a sharded parameter (torch.chunk dim-0 sharding over the
 // mesh's last dim), gathered on every rank.
-inline at::Tensor full_param(const at::Tensor& sharded, const std::vector<int64_t>& full_shape, const DeviceMesh& mesh) {
+inline at::Tensor full_param(const at::Tensor& sharded, const std::vector<int64_t>& full_shape,
+                             const DeviceMesh& mesh) {
   std::vector<int64_t> shape = full_shape.empty() ? std::vector<int64_t>{1} : full_shape;
   at::Tensor local = sharded.detach();
   if (full_shape.empty()) local = local.reshape({-1});

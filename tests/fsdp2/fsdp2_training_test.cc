@@ -85,8 +85,9 @@ TEST_P(TrainingParity, MlpMatchesUnshardedTraining) {
     expect_training_matches_reference(ctx, {.name = "root only, AdamW", .shard_blocks = false, .optim = Optim::kAdamW});
     expect_training_matches_reference(
         ctx, {.name = "reshard_after_forward=false, AdamW", .reshard_after_forward = false, .optim = Optim::kAdamW});
-    expect_training_matches_reference(ctx, {.name = "optimizer built before fully_shard",
-                                            .optim = Optim::kAdamW, .optimizer_before_fully_shard = true});
+    expect_training_matches_reference(
+        ctx,
+        {.name = "optimizer built before fully_shard", .optim = Optim::kAdamW, .optimizer_before_fully_shard = true});
     expect_training_matches_reference(ctx, {.name = "clip_grad_norm_", .clip_max_norm = 0.05});
   });
 }

@@ -9,8 +9,8 @@ namespace fsdp {
 namespace {
 
 struct PairImpl : torch::nn::Module {
-  std::tuple<at::Tensor, std::vector<at::Tensor>> forward(const at::Tensor& x, std::vector<at::Tensor> ys,
-                                                          double scale, std::optional<at::Tensor> z) {
+  std::tuple<at::Tensor, std::vector<at::Tensor>> forward(const at::Tensor& x, std::vector<at::Tensor> ys, double scale,
+                                                          std::optional<at::Tensor> z) {
     for (auto& y : ys) y = y * scale;
     return {x + (z ? *z : at::zeros_like(x)), ys};
   }

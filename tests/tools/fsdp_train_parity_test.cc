@@ -71,7 +71,7 @@ TEST(FsdpTrainParity, HsdpMeshMatchesOneRank) {
   auto run = [&](int world_size, const std::string& mesh) {
     const std::string json = dir.file("hsdp" + std::to_string(world_size) + ".json");
     std::vector<std::string> args = small_run_flags(json);
-    args[3] = "8";  // --global-batch
+    args[3] = "8";   // --global-batch
     args[1] = "10";  // --steps
     if (world_size > 1) args.insert(args.end(), {"--nproc", std::to_string(world_size), "--mesh", mesh});
     const RunResult result = run_program(FSDP_TRAIN_BINARY, args);

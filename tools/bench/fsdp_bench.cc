@@ -118,9 +118,9 @@ int run_rank() {
   for (const auto& c : configs) rows.push_back(run(c, mesh));
   if (world->rank() != 0) return 0;
   std::printf("fsdp_bench: %d ranks on cpu (Gloo), dim %ld, %ld blocks, %ld x %ld tokens per rank, %d timed steps\n",
-              world->size(), static_cast<long>(absl::GetFlag(FLAGS_dim)), static_cast<long>(absl::GetFlag(FLAGS_layers)),
-              static_cast<long>(absl::GetFlag(FLAGS_batch)), static_cast<long>(absl::GetFlag(FLAGS_seq_len)),
-              absl::GetFlag(FLAGS_steps));
+              world->size(), static_cast<long>(absl::GetFlag(FLAGS_dim)),
+              static_cast<long>(absl::GetFlag(FLAGS_layers)), static_cast<long>(absl::GetFlag(FLAGS_batch)),
+              static_cast<long>(absl::GetFlag(FLAGS_seq_len)), absl::GetFlag(FLAGS_steps));
   std::printf("%-38s %10s %8s %10s %10s %12s %14s\n", "configuration", "step ms", "ratio", "AG wait", "RS wait",
               "AG MiB/step", "after-fwd MiB");
   for (size_t i = 0; i < rows.size(); ++i) {
@@ -129,8 +129,9 @@ int run_rank() {
                 r.step_ms / rows.front().step_ms, r.all_gather_wait_ms, r.reduce_scatter_wait_ms, r.gathered_mib,
                 r.resident_mib);
   }
-  std::printf("AG/RS wait: host time blocked in all-gather / reduce-scatter waits per step (exposed communication on "
-              "CPU); after-fwd: unsharded parameter bytes still held when forward ends.\n");
+  std::printf(
+      "AG/RS wait: host time blocked in all-gather / reduce-scatter waits per step (exposed communication on "
+      "CPU); after-fwd: unsharded parameter bytes still held when forward ends.\n");
   return 0;
 }
 

@@ -36,11 +36,11 @@ void set_log_rank(int rank) noexcept;
 }  // namespace fsdp
 
 // The message expression is evaluated only when the level is enabled.
-#define FSDP2CPP_LOG(level, message_expr)          \
-  do {                                             \
-    if (::fsdp::log_enabled(level)) {              \
+#define FSDP2CPP_LOG(level, message_expr)           \
+  do {                                              \
+    if (::fsdp::log_enabled(level)) {               \
       ::fsdp::log_message((level), (message_expr)); \
-    }                                              \
+    }                                               \
   } while (false)
 #define FSDP2CPP_LOG_DEBUG(message_expr) FSDP2CPP_LOG(::fsdp::LogLevel::kDebug, message_expr)
 #define FSDP2CPP_LOG_INFO(message_expr) FSDP2CPP_LOG(::fsdp::LogLevel::kInfo, message_expr)

@@ -33,8 +33,7 @@ struct DTensorSpec {
 
   // Builds and validates a spec: one placement per mesh dim, Shard dims
   // within the tensor's rank. Throws otherwise.
-  DTensorSpec(DeviceMesh mesh, std::vector<Placement> placements, std::vector<int64_t> shape,
-              c10::ScalarType dtype);
+  DTensorSpec(DeviceMesh mesh, std::vector<Placement> placements, std::vector<int64_t> shape, c10::ScalarType dtype);
 
   // Local shape and offset (per tensor dim) of the rank at `coordinate`.
   std::vector<int64_t> local_shape(const std::vector<int64_t>& coordinate) const;

@@ -82,7 +82,7 @@ struct OffloadPolicy {
 class ReshardAfterForward {
  public:
   ReshardAfterForward(bool reshard) : value_(reshard ? -1 : 1) {}  // NOLINT: implicit, like FSDP2's bool
-  ReshardAfterForward(int world_size) : value_(world_size) {}       // NOLINT: implicit, like FSDP2's int
+  ReshardAfterForward(int world_size) : value_(world_size) {}      // NOLINT: implicit, like FSDP2's int
   bool is_bool() const { return value_ == -1 || value_ == 1; }
   // The world size to keep after forward: 1 (no reshard), or -1 for the
   // whole shard group, or k.

@@ -166,9 +166,9 @@ class Sequential : public HookedModuleHolder<torch::nn::SequentialImpl> {
 
 // Drop-in for TORCH_MODULE(Name): declares `Name` as the holder of `NameImpl`
 // whose call operator runs the module's forward hooks (fsdp::call_module).
-#define FSDP2CPP_MODULE(Name)                                              \
-  class Name : public ::fsdp::HookedModuleHolder<Name##Impl> {             \
-   public:                                                                 \
-    using ::fsdp::HookedModuleHolder<Name##Impl>::HookedModuleHolder;      \
-    using Impl = Name##Impl;                                               \
+#define FSDP2CPP_MODULE(Name)                                         \
+  class Name : public ::fsdp::HookedModuleHolder<Name##Impl> {        \
+   public:                                                            \
+    using ::fsdp::HookedModuleHolder<Name##Impl>::HookedModuleHolder; \
+    using Impl = Name##Impl;                                          \
   }
