@@ -5,12 +5,16 @@
 #
 # The torch install is found through `torch.utils.cmake_prefix_path` of
 # FSDP2CPP_PYTHON. We do not call find_package(Torch): the wheel's Caffe2
-# config insists on a complete CUDA toolkit with cuDNN at configure time, even
-# for a CPU-only build, and spends most of a configure run probing it.
+# config insists on a complete CUDA toolkit (nvcc, the CUDA language, a test
+# program that must run, nvrtc) at configure time, even for a CPU-only build
+# (docs/build.md).
 # Targets over the wheel's own libraries are small and exact.
 include_guard(GLOBAL)
 
 if(NOT FSDP2CPP_TORCH_ROOT)
+  if(NOT FSDP2CPP_PYTHON AND DEFINED ENV{FSDP2CPP_PYTHON})
+    set(FSDP2CPP_PYTHON "$ENV{FSDP2CPP_PYTHON}")
+  endif()
   if(NOT FSDP2CPP_PYTHON)
     if(EXISTS "${CMAKE_SOURCE_DIR}/.venv/bin/python")
       set(FSDP2CPP_PYTHON "${CMAKE_SOURCE_DIR}/.venv/bin/python")
@@ -84,7 +88,9 @@ if(FSDP2CPP_WITH_CUDA AND NOT TARGET fsdp2cpp::torch_cuda)
   # One NCCL per process: link the libnccl that libtorch_cuda itself loads
   # (the nvidia-nccl wheel beside torch), falling back to the toolkit's.
   get_filename_component(_site "${FSDP2CPP_TORCH_ROOT}/.." ABSOLUTE)
-  find_library(FSDP2CPP_LIBNCCL NAMES nccl libnccl.so.2
+  # NAMES_PER_DIR: the wheel's directory (which only has libnccl.so.2) wins
+  # over the toolkit's libnccl.so.
+  find_library(FSDP2CPP_LIBNCCL NAMES nccl libnccl.so.2 NAMES_PER_DIR
     PATHS "${_site}/nvidia/nccl/lib" "${CUDAToolkit_LIBRARY_DIR}" NO_DEFAULT_PATH)
   find_path(FSDP2CPP_NCCL_INCLUDE nccl.h
     PATHS "${_site}/nvidia/nccl/include" "${CUDAToolkit_INCLUDE_DIRS}" NO_DEFAULT_PATH)

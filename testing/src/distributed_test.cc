@@ -15,6 +15,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <fstream>
@@ -32,6 +33,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 
 extern char** environ;
 
@@ -149,6 +151,8 @@ std::string exception_text(std::exception_ptr error) {
 
 // ---- rank side --------------------------------------------------------------
 
+constexpr std::chrono::seconds kDepartureWait{5};
+
 void run_as_rank(const DistributedTestOptions& options, const RankBody& body, const CallId& call) {
   // Rank output goes to a file: keep it line-buffered so that a crash loses
   // as little of it as possible.
@@ -206,6 +210,27 @@ void run_as_rank(const DistributedTestOptions& options, const RankBody& body, co
     body(*ctx);
   } catch (...) {
     ADD_FAILURE() << "rank " << rank << ": the test body threw: " << exception_text(std::current_exception());
+  }
+  // [Note: leaving together] A rank that tears its groups down while a peer
+  // is still connecting to it (Gloo's full-mesh connect finishes at different
+  // times on different ranks) makes that peer fail with "connection closed
+  // by peer". So every rank waits, briefly, until all have finished their
+  // body. A rank that crashed or hangs never arrives; the others give up
+  // after kDepartureWait (at most a quarter of the run's timeout) and the
+  // crash or hang is reported as usual.
+  try {
+    const auto& store = ctx->world()->store();
+    const std::string key = "fsdp2cpp/test/departed";
+    store->add(key, 1);
+    // Bounded well inside the run's deadline, so that waiting for a hung peer
+    // never makes this rank time out too.
+    const auto wait = std::min<std::chrono::milliseconds>(kDepartureWait, options.timeout / 4);
+    const auto deadline = std::chrono::steady_clock::now() + wait;
+    while (store->add(key, 0) < world_size && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  } catch (...) {
+    // Best effort: the store itself may be gone with a crashed rank 0.
   }
   // Communicators and the World are torn down here, before the test ends.
   try {
