@@ -137,7 +137,7 @@ std::string tail(const std::string& text, size_t bytes) {
   return "[... " + std::to_string(text.size() - bytes) + " bytes omitted ...]\n" + text.substr(text.size() - bytes);
 }
 
-std::string exception_text(std::exception_ptr error) {
+std::string exception_text(const std::exception_ptr& error) {
   try {
     std::rethrow_exception(error);
   } catch (const c10::Error& e) {
