@@ -97,41 +97,48 @@ class Registry {
 
 }  // namespace
 
+namespace {
+
+// Hooks are copy-on-write: a call in progress keeps the snapshot it took.
+template <typename Edit>
+auto edit_hooks(torch::nn::Module& module, Edit&& edit) {
+  return Registry::instance().with_entry(module, [&](Entry& e) {
+    auto hooks = e.hooks ? std::make_shared<detail::ModuleHooks>(*e.hooks) : std::make_shared<detail::ModuleHooks>();
+    auto result = edit(*hooks);
+    e.hooks = hooks->pre.empty() && hooks->post.empty() ? nullptr : std::move(hooks);
+    return result;
+  });
+}
+
+}  // namespace
+
 HookId register_forward_pre_hook(torch::nn::Module& module, ForwardPreHook hook) {
   TORCH_CHECK(hook, "fsdp2: register_forward_pre_hook got an empty hook");
-  auto& r = Registry::instance();
-  return r.with_entry(module, [&](Entry& e) {
-    auto hooks = e.hooks ? std::make_shared<detail::ModuleHooks>(*e.hooks) : std::make_shared<detail::ModuleHooks>();
-    const HookId id = r.next_id();
-    hooks->pre.emplace_back(id, std::move(hook));
-    e.hooks = std::move(hooks);
+  return edit_hooks(module, [&](detail::ModuleHooks& hooks) {
+    const HookId id = Registry::instance().next_id();
+    hooks.pre.emplace_back(id, std::move(hook));
     return id;
   });
 }
 
 HookId register_forward_hook(torch::nn::Module& module, ForwardHook hook) {
   TORCH_CHECK(hook, "fsdp2: register_forward_hook got an empty hook");
-  auto& r = Registry::instance();
-  return r.with_entry(module, [&](Entry& e) {
-    auto hooks = e.hooks ? std::make_shared<detail::ModuleHooks>(*e.hooks) : std::make_shared<detail::ModuleHooks>();
-    const HookId id = r.next_id();
-    hooks->post.emplace_back(id, std::move(hook));
-    e.hooks = std::move(hooks);
+  return edit_hooks(module, [&](detail::ModuleHooks& hooks) {
+    const HookId id = Registry::instance().next_id();
+    hooks.post.emplace_back(id, std::move(hook));
     return id;
   });
 }
 
 void remove_hook(torch::nn::Module& module, HookId id) {
-  Registry::instance().with_entry(module, [&](Entry& e) {
-    auto hooks = e.hooks ? std::make_shared<detail::ModuleHooks>(*e.hooks) : std::make_shared<detail::ModuleHooks>();
-    const size_t before = hooks->pre.size() + hooks->post.size();
+  const bool removed = edit_hooks(module, [&](detail::ModuleHooks& hooks) {
+    const size_t before = hooks.pre.size() + hooks.post.size();
     auto matches = [id](const auto& h) { return h.first == id; };
-    hooks->pre.erase(std::remove_if(hooks->pre.begin(), hooks->pre.end(), matches), hooks->pre.end());
-    hooks->post.erase(std::remove_if(hooks->post.begin(), hooks->post.end(), matches), hooks->post.end());
-    TORCH_CHECK(hooks->pre.size() + hooks->post.size() < before, "fsdp2: hook ", id, " is not registered on module '",
-                module.name(), "'");
-    e.hooks = hooks->pre.empty() && hooks->post.empty() ? nullptr : std::move(hooks);
+    hooks.pre.erase(std::remove_if(hooks.pre.begin(), hooks.pre.end(), matches), hooks.pre.end());
+    hooks.post.erase(std::remove_if(hooks.post.begin(), hooks.post.end(), matches), hooks.post.end());
+    return hooks.pre.size() + hooks.post.size() < before;
   });
+  TORCH_CHECK(removed, "fsdp2: hook ", id, " is not registered on module '", module.name(), "'");
 }
 
 bool has_forward_hooks(const torch::nn::Module& module) { return Registry::instance().hooks_of(module) != nullptr; }

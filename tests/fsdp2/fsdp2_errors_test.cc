@@ -7,21 +7,6 @@
 namespace fsdp::test {
 namespace {
 
-// Asserts that `statement` throws a c10::Error whose message contains every
-// one of `fragments`.
-#define EXPECT_THROW_WITH(statement, ...)                                            \
-  do {                                                                               \
-    try {                                                                            \
-      statement;                                                                     \
-      ADD_FAILURE() << "expected an error from: " #statement;                        \
-    } catch (const c10::Error& e) {                                                  \
-      for (const char* fragment : {__VA_ARGS__}) {                                   \
-        EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos)           \
-            << "message lacks '" << fragment << "': " << e.what_without_backtrace(); \
-      }                                                                              \
-    }                                                                                \
-  } while (false)
-
 FullyShardOptions mesh_options(testing::RankContext& ctx) {
   FullyShardOptions o;
   o.mesh = ctx.mesh();

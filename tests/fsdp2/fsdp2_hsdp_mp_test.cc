@@ -6,19 +6,6 @@
 namespace fsdp::test {
 namespace {
 
-#define EXPECT_THROW_WITH(statement, ...)                                            \
-  do {                                                                               \
-    try {                                                                            \
-      statement;                                                                     \
-      ADD_FAILURE() << "expected an error from: " #statement;                        \
-    } catch (const c10::Error& e) {                                                  \
-      for (const char* fragment : {__VA_ARGS__}) {                                   \
-        EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos)           \
-            << "message lacks '" << fragment << "': " << e.what_without_backtrace(); \
-      }                                                                              \
-    }                                                                                \
-  } while (false)
-
 struct Controls {
   std::optional<ReshardAfterForward> reshard_after_forward;
   // Micro-batches per step; all but the last skip the HSDP all-reduce.

@@ -15,6 +15,21 @@
 #include "fsdp_testing/distributed_test.h"
 #include "test_models.h"
 
+// Asserts that `statement` throws a c10::Error whose message contains every
+// one of `fragments`.
+#define EXPECT_THROW_WITH(statement, ...)                                            \
+  do {                                                                               \
+    try {                                                                            \
+      statement;                                                                     \
+      ADD_FAILURE() << "expected an error from: " #statement;                        \
+    } catch (const c10::Error& e) {                                                  \
+      for (const char* fragment : {__VA_ARGS__}) {                                   \
+        EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos)           \
+            << "message lacks '" << fragment << "': " << e.what_without_backtrace(); \
+      }                                                                              \
+    }                                                                                \
+  } while (false)
+
 namespace fsdp::test {
 
 enum class Optim { kSgd, kAdamW };
