@@ -1,5 +1,5 @@
-// fsdp_demo: the smoke program that `make demo` runs (until the trainer
-// replaces it). It proves that the stack works end to end on real processes:
+// fsdp_demo: the smallest end-to-end run (`make demo` runs the trainer,
+// tools/train). It proves that the stack works on real processes:
 // env:// rendezvous, a 1-D DeviceMesh, and an all-gather on its group.
 //
 //   fsdp_demo                 starts 2 local ranks of itself and waits for them
@@ -11,19 +11,11 @@
 // Rank r contributes arange(3) + 10 * r; every rank prints what it gathered,
 // checks it, and exits non-zero when it is wrong. Lines come out in rank
 // order. The launcher exits non-zero when any rank fails.
-#include <netinet/in.h>
-#include <signal.h>
-#include <sys/socket.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
-#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <exception>
-#include <map>
 #include <optional>
 #include <string>
 
@@ -36,6 +28,7 @@
 #include "absl/flags/parse.h"
 #include "collectives/world.h"
 #include "device_mesh/device_mesh.h"
+#include "launcher.h"
 
 // Optional so that "not given" is visible: a process started by torchrun (RANK
 // and WORLD_SIZE set) then runs as its rank instead of launching more.
@@ -105,89 +98,22 @@ int run_rank() {
   }
 }
 
-// A TCP port that is free now on 127.0.0.1 (the kernel picks it). Rank 0
-// binds it again moments later; torchrun's standalone mode does the same.
-int free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return -1;
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof(addr);
-  int port = -1;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
-    port = ntohs(addr.sin_port);
-  }
-  ::close(fd);
-  return port;
-}
-
-// Starts `nproc` copies of this program as ranks 0..nproc-1 and waits for
-// them. When one fails, the others are stopped (they would otherwise wait for
-// it until the timeout).
+// Starts `nproc` copies of this program as ranks 0..nproc-1 with the
+// trainer's launcher (env:// on 127.0.0.1 and a free port) and waits for
+// them; when one fails, the others are stopped.
 int launch(int nproc, const char* argv0) {
   if (nproc < 1) {
     std::fprintf(stderr, "fsdp_demo: --nproc must be >= 1 (got %d)\n", nproc);
     return 2;
   }
-  const int port = free_port();
-  if (port < 0) {
-    std::fprintf(stderr, "fsdp_demo: cannot find a free port: %s\n", std::strerror(errno));
-    return 1;
+  std::printf("fsdp_demo: starting %d rank%s on 127.0.0.1\n", nproc, nproc == 1 ? "" : "s");
+  const int rc = fsdp_train::launch_local_ranks(nproc, {argv0});
+  if (rc == 0) {
+    std::printf("fsdp_demo: %d of %d ranks OK\n", nproc, nproc);
+  } else {
+    std::fprintf(stderr, "fsdp_demo: a rank failed (exit code %d)\n", rc);
   }
-  std::printf("fsdp_demo: starting %d rank%s (MASTER_ADDR=127.0.0.1 MASTER_PORT=%d)\n", nproc, nproc == 1 ? "" : "s",
-              port);
-  std::fflush(stdout);
-
-  std::map<pid_t, int> rank_of;
-  for (int r = 0; r < nproc; ++r) {
-    const pid_t pid = ::fork();
-    if (pid < 0) {
-      std::fprintf(stderr, "fsdp_demo: fork failed: %s\n", std::strerror(errno));
-      for (const auto& [child, _] : rank_of) ::kill(child, SIGTERM);
-      break;
-    }
-    if (pid == 0) {
-      ::setenv("RANK", std::to_string(r).c_str(), 1);
-      ::setenv("WORLD_SIZE", std::to_string(nproc).c_str(), 1);
-      ::setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
-      ::setenv("LOCAL_WORLD_SIZE", std::to_string(nproc).c_str(), 1);
-      ::setenv("MASTER_ADDR", "127.0.0.1", 1);
-      ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
-      char* child_argv[] = {const_cast<char*>(argv0), nullptr};
-      ::execv("/proc/self/exe", child_argv);
-      std::fprintf(stderr, "fsdp_demo: exec of /proc/self/exe failed: %s\n", std::strerror(errno));
-      ::_exit(127);
-    }
-    rank_of[pid] = r;
-  }
-
-  int failed = rank_of.size() == static_cast<size_t>(nproc) ? 0 : 1;
-  while (!rank_of.empty()) {
-    int status = 0;
-    const pid_t pid = ::waitpid(-1, &status, 0);
-    if (pid < 0) {
-      if (errno == EINTR) continue;
-      break;
-    }
-    auto it = rank_of.find(pid);
-    if (it == rank_of.end()) continue;
-    const int rank = it->second;
-    rank_of.erase(it);
-    if (WIFEXITED(status) && WEXITSTATUS(status) == 0) continue;
-    if (WIFEXITED(status)) {
-      std::fprintf(stderr, "fsdp_demo: rank %d exited with status %d\n", rank, WEXITSTATUS(status));
-    } else {
-      std::fprintf(stderr, "fsdp_demo: rank %d killed by signal %d\n", rank, WTERMSIG(status));
-    }
-    if (failed++ == 0) {
-      for (const auto& [child, _] : rank_of) ::kill(child, SIGTERM);
-    }
-  }
-  if (failed == 0) std::printf("fsdp_demo: %d of %d ranks OK\n", nproc, nproc);
-  return failed == 0 ? 0 : 1;
+  return rc == 0 ? 0 : 1;
 }
 
 }  // namespace
