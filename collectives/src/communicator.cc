@@ -7,19 +7,13 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
+#include "join_ranks.h"
 #include "multi_work.h"
 
 namespace fsdp::collectives {
 namespace {
 
-std::string join_ranks(const std::vector<int>& ranks) {
-  std::string out;
-  for (size_t i = 0; i < ranks.size(); ++i) {
-    if (i > 0) out += ",";
-    out += std::to_string(ranks[i]);
-  }
-  return out;
-}
+using detail::join_ranks;
 
 // The engine is told to SUM when it cannot compute `op` itself (see
 // reduce_op.h); the scale is applied to the outputs at wait time.
@@ -212,21 +206,29 @@ void check_list_sizes(const std::vector<at::Tensor>& outputs, const std::vector<
 
 }  // namespace
 
+void Communicator::check_coalesced_pair(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs,
+                                        size_t i, bool output_is_larger, const char* op) const {
+  const std::string out_name = c10::str("outputs[", i, "]");
+  const std::string in_name = c10::str("inputs[", i, "]");
+  check_tensor(outputs[i], op, out_name.c_str());
+  check_tensor(inputs[i], op, in_name.c_str());
+  check_same_dtype(outputs[i], out_name.c_str(), inputs[i], in_name.c_str(), op, name_);
+  const at::Tensor& large = output_is_larger ? outputs[i] : inputs[i];
+  const at::Tensor& small = output_is_larger ? inputs[i] : outputs[i];
+  const std::string& large_name = output_is_larger ? out_name : in_name;
+  const std::string& small_name = output_is_larger ? in_name : out_name;
+  TORCH_CHECK(large.numel() == size() * small.numel(), "fsdp2cpp: ", op, " on ", name_, ": `", large_name, "` has ",
+              large.numel(), " elements, expected size() * ", small_name, ".numel() = ", size(), " * ", small.numel(),
+              " = ", size() * small.numel(),
+              output_is_larger ? "; allocate each output as group size times its input"
+                               : "; pad each input to group size times its output");
+}
+
 Work Communicator::all_gather_into_tensor_coalesced(const std::vector<at::Tensor>& outputs,
                                                     const std::vector<at::Tensor>& inputs) {
   constexpr const char* kOp = "all_gather_into_tensor_coalesced";
   check_list_sizes(outputs, inputs, kOp, name_);
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    const std::string out_name = c10::str("outputs[", i, "]");
-    const std::string in_name = c10::str("inputs[", i, "]");
-    check_tensor(outputs[i], kOp, out_name.c_str());
-    check_tensor(inputs[i], kOp, in_name.c_str());
-    check_same_dtype(outputs[i], out_name.c_str(), inputs[i], in_name.c_str(), kOp, name_);
-    TORCH_CHECK(outputs[i].numel() == size() * inputs[i].numel(), "fsdp2cpp: ", kOp, " on ", name_, ": `", out_name,
-                "` has ", outputs[i].numel(), " elements, expected size() * ", in_name, ".numel() = ", size(), " * ",
-                inputs[i].numel(), " = ", size() * inputs[i].numel(),
-                "; allocate each output as group size times its input");
-  }
+  for (size_t i = 0; i < inputs.size(); ++i) check_coalesced_pair(outputs, inputs, i, /*output_is_larger=*/true, kOp);
   if (inputs.empty()) return Work();
   std::string description = c10::str(kOp, " (", inputs.size(), " tensors) on ", name_);
   std::vector<at::Tensor> outs = outputs;
@@ -250,15 +252,7 @@ Work Communicator::reduce_scatter_tensor_coalesced(const std::vector<at::Tensor>
   constexpr const char* kOp = "reduce_scatter_tensor_coalesced";
   check_list_sizes(outputs, inputs, kOp, name_);
   for (size_t i = 0; i < inputs.size(); ++i) {
-    const std::string out_name = c10::str("outputs[", i, "]");
-    const std::string in_name = c10::str("inputs[", i, "]");
-    check_tensor(outputs[i], kOp, out_name.c_str());
-    check_tensor(inputs[i], kOp, in_name.c_str());
-    check_same_dtype(outputs[i], out_name.c_str(), inputs[i], in_name.c_str(), kOp, name_);
-    TORCH_CHECK(inputs[i].numel() == size() * outputs[i].numel(), "fsdp2cpp: ", kOp, " on ", name_, ": `", in_name,
-                "` has ", inputs[i].numel(), " elements, expected size() * ", out_name, ".numel() = ", size(), " * ",
-                outputs[i].numel(), " = ", size() * outputs[i].numel(),
-                "; pad each input to group size times its output");
+    check_coalesced_pair(outputs, inputs, i, /*output_is_larger=*/false, kOp);
     check_reducible(inputs[i], op, kOp, name_);
   }
   if (inputs.empty()) return Work();

@@ -15,6 +15,7 @@
 
 #include "backends.h"
 #include "fsdp_common/logging.h"
+#include "join_ranks.h"
 
 namespace fsdp::collectives {
 namespace {
@@ -46,14 +47,7 @@ std::optional<int> env_int(const char* name, bool required, int min, int max) {
 
 std::string rank_key(int rank) { return "fsdp2cpp/rdzv/rank/" + std::to_string(rank); }
 
-std::string join_ranks(const std::vector<int>& ranks) {
-  std::string out;
-  for (size_t i = 0; i < ranks.size(); ++i) {
-    if (i > 0) out += ",";
-    out += std::to_string(ranks[i]);
-  }
-  return out;
-}
+using detail::join_ranks;
 
 // The keys in `keys` that the store does not hold; empty when the store
 // itself cannot be asked (it is gone).

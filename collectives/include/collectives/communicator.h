@@ -117,6 +117,11 @@ class Communicator {
 
  private:
   void check_tensor(const at::Tensor& t, const char* op, const char* arg) const;
+  // Checks pair `i` of a coalesced call: both tensors, equal dtypes, and the
+  // larger one (output for all-gather, input for reduce-scatter) holding
+  // size() times the other's elements.
+  void check_coalesced_pair(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs, size_t i,
+                            bool output_is_larger, const char* op) const;
   // True when the engine computes `op` correctly for this collective itself.
   bool native_op(const ReduceOp& op) const;
 
