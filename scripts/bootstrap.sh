@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Sets up everything the build needs, idempotently, and says what it did.
-#   - Debian -dev packages (Abseil, spdlog+fmt, GoogleTest, gloo headers, ccache)
+#   - Debian -dev packages (Abseil, spdlog+fmt, GoogleTest, gloo headers, nlohmann JSON, ccache)
 #   - a project-local virtual env (.venv) with torch==2.11.0 from PyPI, which
-#     carries LibTorch, c10d and the NCCL that torch loads.
+#     carries LibTorch, c10d and the NCCL that torch loads, and the `safetensors`
+#     wheel that torch.distributed.checkpoint's Hugging Face reader needs (the
+#     checkpoint tests check our files against PyTorch itself).
 # On a machine without package access that already has torch 2.11 (our GPU
 # machines), it uses that torch and installs nothing: set FSDP2CPP_PYTHON to
 # its python, or let the script find `python3` with torch importable.
@@ -11,7 +13,7 @@ cd "$(dirname "$0")/.."
 
 TORCH_VERSION=2.11.0
 VENV=.venv
-APT_PACKAGES=(cmake g++ make ccache libabsl-dev libspdlog-dev libfmt-dev libgtest-dev libgmock-dev libgloo-dev clang-format)
+APT_PACKAGES=(cmake g++ make ccache libabsl-dev libspdlog-dev libfmt-dev libgtest-dev libgmock-dev libgloo-dev nlohmann-json3-dev clang-format)
 
 say() { echo "bootstrap: $*"; }
 
@@ -58,5 +60,18 @@ elif has_torch python3; then
   say "using the system python3's torch $TORCH_VERSION"
 else
   say "no torch $TORCH_VERSION available and pip cannot install it"; exit 1
+fi
+# The checkpoint interop tests read and write files with PyTorch's own
+# safetensors readers; without the wheel they fail and say so.
+PY=${FSDP2CPP_PYTHON:-}
+[[ -z "$PY" && -x $VENV/bin/python ]] && PY=$VENV/bin/python
+[[ -z "$PY" ]] && PY=python3
+if "$PY" -c "import safetensors" 2>/dev/null; then
+  say "python safetensors present"
+elif [[ "${FSDP2CPP_NO_PIP:-0}" != 1 ]] && "$PY" -m pip --version >/dev/null 2>&1; then
+  say "installing the safetensors wheel into $PY"
+  "$PY" -m pip install -q safetensors || say "pip could not install safetensors; the checkpoint interop tests will fail"
+else
+  say "python safetensors missing and pip unavailable; the checkpoint interop tests will fail"
 fi
 say "done"
