@@ -1,0 +1,376 @@
+#include "checkpoint/sharded.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <sstream>
+#include <utility>
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <nlohmann/json.hpp>
+
+#include "io_util.h"
+#include "load_core.h"
+
+namespace fsdp::checkpoint {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr const char* kShardingInfoKey = "DCP_SHARDING_INFO";
+constexpr const char* kIndexFileName = "model.safetensors.index.json";
+
+int64_t numel_of(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t s : shape) n *= s;
+  return n;
+}
+
+std::string join_keys(const std::vector<std::string>& keys) {
+  std::ostringstream out;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (i == 8) {
+      out << ", ... (" << keys.size() - 8 << " more)";
+      break;
+    }
+    out << (i ? ", " : "") << "'" << keys[i] << "'";
+  }
+  return out.str();
+}
+
+}  // namespace
+
+namespace detail {
+
+std::optional<std::string> tied_to(const std::vector<std::pair<std::string, at::Tensor>>& earlier,
+                                   const at::Tensor& t) {
+  if (!t.defined() || t.numel() == 0 || !t.has_storage()) return std::nullopt;
+  for (const auto& [key, other] : earlier) {
+    if (other.defined() && other.has_storage() && other.numel() > 0 && other.storage().is_alias_of(t.storage()) &&
+        other.storage_offset() == t.storage_offset() && other.sizes() == t.sizes() && other.strides() == t.strides() &&
+        other.scalar_type() == t.scalar_type()) {
+      return key;
+    }
+  }
+  return std::nullopt;
+}
+
+// --- the index of what a directory holds --------------------------------------
+
+SavedIndex SavedIndex::build(const std::string& dir) {
+  TORCH_CHECK(is_directory(dir), "checkpoint: '", dir, "' is not a directory");
+  SavedIndex index;
+  index.dir = dir;
+  std::vector<std::string> names;
+  std::map<std::string, std::string> weight_map;
+  const std::string index_path = join_path(dir, kIndexFileName);
+  const bool has_index = is_regular_file(index_path);
+  if (has_index) {
+    const nlohmann::json json =
+        parse_json_strict(read_text_file(index_path, int64_t{1} << 30, "index file"), "the index '" + index_path + "'");
+    TORCH_CHECK(json.is_object() && json.contains("weight_map") && json["weight_map"].is_object(),
+                "checkpoint: the index '", index_path, "' has no 'weight_map' object");
+    std::set<std::string> files;
+    for (auto it = json["weight_map"].begin(); it != json["weight_map"].end(); ++it) {
+      TORCH_CHECK(it.value().is_string(), "checkpoint: the index '", index_path, "' maps key '", it.key(),
+                  "' to something that is not a file name");
+      const std::string file = it.value().get<std::string>();
+      // Refused before anything is opened: a name must not reach outside `dir`.
+      TORCH_CHECK(is_plain_file_name(file), "checkpoint: the index '", index_path, "' maps key '", it.key(), "' to '",
+                  file, "', which is not a plain file name inside the checkpoint directory");
+      weight_map[it.key()] = file;
+      files.insert(file);
+    }
+    names.assign(files.begin(), files.end());
+  } else {
+    names = list_files(dir, ".safetensors");
+  }
+  TORCH_CHECK(!names.empty(), "checkpoint: '", dir,
+              "' holds no *.safetensors file (nor a model.safetensors.index.json): nothing to load");
+
+  for (const auto& name : names) {
+    const std::string path = join_path(dir, name);
+    index.files.push_back(std::make_unique<SafetensorsFile>(SafetensorsFile::open(path)));
+    const SafetensorsFile& f = *index.files.back();
+    const size_t file_index = index.files.size() - 1;
+    std::optional<nlohmann::json> sharding;
+    auto info_it = f.metadata().find(kShardingInfoKey);
+    if (info_it != f.metadata().end()) {
+      sharding = parse_json_strict(info_it->second,
+                                   std::string("__metadata__[\"") + kShardingInfoKey + "\"] of '" + path + "'");
+      TORCH_CHECK(sharding->is_object(), "checkpoint: '", path, "': ", kShardingInfoKey, " is not a JSON object");
+    }
+    auto tied_it = f.metadata().find(kTiedMetadataKey);
+    if (tied_it != f.metadata().end()) {
+      const nlohmann::json tied = parse_json_strict(
+          tied_it->second, std::string("__metadata__[\"") + kTiedMetadataKey + "\"] of '" + path + "'");
+      TORCH_CHECK(tied.is_object(), "checkpoint: '", path, "': ", kTiedMetadataKey, " is not a JSON object");
+      for (auto it = tied.begin(); it != tied.end(); ++it) {
+        TORCH_CHECK(it.value().is_string(), "checkpoint: '", path, "': ", kTiedMetadataKey, " maps '", it.key(),
+                    "' to a non-string");
+        const std::string to = it.value().get<std::string>();
+        auto [pos, inserted] = index.aliases.emplace(it.key(), to);
+        TORCH_CHECK(inserted || pos->second == to, "checkpoint: '", path, "': the tied key '", it.key(), "' names '",
+                    to, "' here but '", pos->second, "' in another file");
+      }
+    }
+    for (const auto& t : f.tensors()) {
+      std::vector<int64_t> offset(t.shape.size(), 0);
+      if (sharding.has_value()) {
+        TORCH_CHECK(sharding->contains(t.name) && (*sharding)[t.name].is_object() &&
+                        (*sharding)[t.name].contains("saved_offsets") &&
+                        (*sharding)[t.name]["saved_offsets"].is_array(),
+                    "checkpoint: '", path, "': key '", t.name, "' has no saved_offsets in ", kShardingInfoKey);
+        const auto& offs = (*sharding)[t.name]["saved_offsets"];
+        TORCH_CHECK(offs.size() == t.shape.size(), "checkpoint: '", path, "': key '", t.name, "' has ", offs.size(),
+                    " saved_offsets for a ", t.shape.size(), "-dim tensor");
+        for (size_t d = 0; d < offs.size(); ++d) {
+          TORCH_CHECK(offs[d].is_number_integer() && offs[d].get<int64_t>() >= 0 &&
+                          offs[d].get<int64_t>() <= (int64_t{1} << 62),
+                      "checkpoint: '", path, "': key '", t.name, "' has a bad saved offset ", offs[d].dump());
+          offset[d] = offs[d].get<int64_t>();
+        }
+      }
+      if (has_index) {
+        auto w = weight_map.find(t.name);
+        if (w != weight_map.end() && w->second != name) continue;  // the index says another file holds it
+      }
+      auto [it, inserted] = index.tensors.try_emplace(t.name);
+      SavedTensor& saved = it->second;
+      if (inserted) {
+        saved.dtype = t.dtype;
+        saved.global_shape.assign(t.shape.size(), 0);
+        index.order.push_back(t.name);
+      }
+      TORCH_CHECK(saved.dtype == t.dtype && saved.global_shape.size() == t.shape.size(), "checkpoint: key '", t.name,
+                  "' is ", c10::toString(t.dtype), " with ", t.shape.size(), " dims in '", path, "' but ",
+                  c10::toString(saved.dtype), " with ", saved.global_shape.size(), " dims in '",
+                  index.files[saved.pieces.front().file]->path(), "'");
+      for (size_t d = 0; d < t.shape.size(); ++d) {
+        saved.global_shape[d] = std::max(saved.global_shape[d], offset[d] + t.shape[d]);
+      }
+      saved.pieces.push_back(SavedPiece{file_index, std::move(offset), t.shape});
+    }
+  }
+  for (const auto& [key, file] : weight_map) {
+    TORCH_CHECK(index.tensors.count(key) != 0, "checkpoint: the index of '", dir, "' maps key '", key, "' to '", file,
+                "', which has no such tensor");
+  }
+  // Pieces of one key must not overlap: each element has one saved value.
+  for (const auto& [key, saved] : index.tensors) {
+    for (size_t i = 0; i < saved.pieces.size(); ++i) {
+      for (size_t j = i + 1; j < saved.pieces.size(); ++j) {
+        const auto& a = saved.pieces[i];
+        const auto& b = saved.pieces[j];
+        bool overlap = numel_of(a.shape) > 0 && numel_of(b.shape) > 0;
+        for (size_t d = 0; overlap && d < a.shape.size(); ++d) {
+          overlap = std::max(a.offset[d], b.offset[d]) < std::min(a.offset[d] + a.shape[d], b.offset[d] + b.shape[d]);
+        }
+        TORCH_CHECK(!overlap, "checkpoint: key '", key, "' is saved twice over the same elements: at offset ",
+                    shape_to_string(a.offset), " in '", index.files[a.file]->path(), "' and at offset ",
+                    shape_to_string(b.offset), " in '", index.files[b.file]->path(), "'");
+      }
+    }
+  }
+  return index;
+}
+
+LoadResult load_into(StateDict& target, const SavedIndex& index, const LoadOptions& options) {
+  const auto start = Clock::now();
+  LoadResult result;
+  result.files = static_cast<int64_t>(index.files.size());
+
+  // Resolve each target key to the saved key holding its values.
+  std::vector<std::pair<StateValue*, const std::string*>> plan;  // target value, saved key
+  std::vector<std::string> plan_keys;
+  std::set<std::string> used;
+  for (auto& [key, value] : target) {
+    const std::string* saved_key = nullptr;
+    if (auto it = index.tensors.find(key); it != index.tensors.end()) {
+      saved_key = &it->first;
+    } else if (auto a = index.aliases.find(key); a != index.aliases.end()) {
+      if (auto it2 = index.tensors.find(a->second); it2 != index.tensors.end()) saved_key = &it2->first;
+    }
+    if (saved_key == nullptr) {
+      result.missing_keys.push_back(key);
+      continue;
+    }
+    used.insert(key);
+    plan.emplace_back(&value, saved_key);
+    plan_keys.push_back(key);
+  }
+  for (const auto& key : index.order) {
+    if (used.count(key) == 0) result.unexpected_keys.push_back(key);
+  }
+  for (const auto& [alias, to] : index.aliases) {
+    if (used.count(alias) == 0 && index.tensors.count(to) != 0) result.unexpected_keys.push_back(alias);
+  }
+  if (options.strict) {
+    TORCH_CHECK(result.missing_keys.empty() && result.unexpected_keys.empty(), "checkpoint: loading '", index.dir,
+                "' (strict): ",
+                result.missing_keys.empty()
+                    ? std::string()
+                    : "missing keys (in the target, not saved): " + join_keys(result.missing_keys),
+                !result.missing_keys.empty() && !result.unexpected_keys.empty() ? "; " : "",
+                result.unexpected_keys.empty()
+                    ? std::string()
+                    : "unexpected keys (saved, not in the target): " + join_keys(result.unexpected_keys),
+                ". Pass strict = false to load the keys both have.");
+  }
+
+  // Check shapes, dtypes and coverage of every entry before copying anything.
+  for (size_t i = 0; i < plan.size(); ++i) {
+    const StateValue& value = *plan[i].first;
+    const std::string& key = plan_keys[i];
+    const SavedTensor& saved = index.tensors.at(*plan[i].second);
+    TORCH_CHECK(value.local().defined(), "checkpoint: target key '", key, "' holds an undefined tensor");
+    const std::vector<int64_t> global = value.global_shape();
+    TORCH_CHECK(global == saved.global_shape, "checkpoint: key '", key, "' has the global shape ",
+                shape_to_string(global), " in the target but ", shape_to_string(saved.global_shape), " in '", index.dir,
+                "'");
+    TORCH_CHECK(value.dtype() == saved.dtype, "checkpoint: key '", key, "' is ", c10::toString(value.dtype()),
+                " in the target but ", c10::toString(saved.dtype), " in '", index.dir,
+                "'; convert the checkpoint or the model first");
+    const std::vector<int64_t> offset = value.local_offset();
+    const std::vector<int64_t> shape = value.local().sizes().vec();
+    int64_t covered = 0;
+    for (const auto& piece : saved.pieces) {
+      int64_t n = 1;
+      for (size_t d = 0; d < shape.size(); ++d) {
+        const int64_t lo = std::max(offset[d], piece.offset[d]);
+        const int64_t hi = std::min(offset[d] + shape[d], piece.offset[d] + piece.shape[d]);
+        n *= std::max<int64_t>(0, hi - lo);
+      }
+      covered += n;
+    }
+    TORCH_CHECK(covered == numel_of(shape), "checkpoint: key '", key, "': the saved pieces in '", index.dir,
+                "' hold only ", covered, " of the ", numel_of(shape), " elements of this rank's region (offset ",
+                shape_to_string(offset), ", shape ", shape_to_string(shape), "): a file of the checkpoint is missing");
+  }
+
+  for (size_t i = 0; i < plan.size(); ++i) {
+    const at::Tensor& local = plan[i].first->local();
+    const std::string& saved_key = *plan[i].second;
+    const SavedTensor& saved = index.tensors.at(saved_key);
+    const std::vector<int64_t> offset = plan[i].first->local_offset();
+    const std::vector<int64_t> shape = local.sizes().vec();
+    if (shape.empty()) {
+      const SavedPiece& piece = saved.pieces.front();
+      at::Tensor v = index.files[piece.file]->read(saved_key);
+      local.copy_(v);
+      result.bytes_read += static_cast<int64_t>(v.nbytes());
+      continue;
+    }
+    for (const auto& piece : saved.pieces) {
+      std::vector<int64_t> lo(shape.size());
+      std::vector<int64_t> len(shape.size());
+      bool empty = false;
+      bool full_rows = true;  // the overlap spans whole rows of both piece and target
+      for (size_t d = 0; d < shape.size(); ++d) {
+        lo[d] = std::max(offset[d], piece.offset[d]);
+        len[d] = std::min(offset[d] + shape[d], piece.offset[d] + piece.shape[d]) - lo[d];
+        if (len[d] <= 0) empty = true;
+        if (d > 0 && (len[d] != piece.shape[d] || len[d] != shape[d])) full_rows = false;
+      }
+      if (empty) continue;
+      const SafetensorsFile& file = *index.files[piece.file];
+      at::Tensor dst = local.narrow(0, lo[0] - offset[0], len[0]);
+      if (full_rows && local.device().is_cpu() && dst.is_contiguous()) {
+        // The rows land where they belong: no staging copy.
+        file.read_rows_into(saved_key, lo[0] - piece.offset[0], dst);
+        result.bytes_read += static_cast<int64_t>(dst.nbytes());
+        continue;
+      }
+      at::Tensor rows = file.read_rows(saved_key, lo[0] - piece.offset[0], len[0]);
+      result.bytes_read += static_cast<int64_t>(rows.nbytes());
+      for (size_t d = 1; d < shape.size(); ++d) {
+        rows = rows.narrow(static_cast<int64_t>(d), lo[d] - piece.offset[d], len[d]);
+        dst = dst.narrow(static_cast<int64_t>(d), lo[d] - offset[d], len[d]);
+      }
+      dst.copy_(rows);
+    }
+  }
+  result.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  return result;
+}
+
+}  // namespace detail
+
+std::string sharded_file_name(int rank) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "shard-%05d-model-00001-of-00001.safetensors", rank + 1);
+  return buf;
+}
+
+SaveResult save_sharded(const StateDict& state_dict, const std::string& dir, int rank, const SaveOptions& options) {
+  const auto start = Clock::now();
+  TORCH_CHECK(rank >= 0, "checkpoint: save_sharded: rank ", rank, " is negative");
+  TORCH_CHECK(detail::is_directory(dir), "checkpoint: save_sharded: '", dir, "' is not a directory (create it first)");
+
+  std::vector<SafetensorsWriter::Entry> entries;
+  std::vector<at::Tensor> tensors;
+  std::vector<std::pair<std::string, at::Tensor>> written;
+  nlohmann::ordered_json sharding = nlohmann::ordered_json::object();
+  nlohmann::ordered_json tied = nlohmann::ordered_json::object();
+  for (const auto& [key, value] : state_dict) {
+    const at::Tensor& local = value.local();
+    TORCH_CHECK(local.defined(), "checkpoint: save_sharded: key '", key, "' holds an undefined tensor");
+    bool writes;
+    if (value.is_dtensor()) {
+      const DTensor& dt = value.dtensor();
+      TORCH_CHECK(dt.mesh().global_rank() == rank, "checkpoint: save_sharded: rank ", rank, " was passed but key '",
+                  key, "' lives on a mesh where this process is global rank ", dt.mesh().global_rank());
+      const std::vector<int64_t> coord = dt.mesh().coordinate();
+      bool replicate_zero = true;
+      bool all_zero = true;
+      for (size_t d = 0; d < dt.placements().size(); ++d) {
+        const Placement& p = dt.placements()[d];
+        TORCH_CHECK(!p.is_partial(), "checkpoint: save_sharded: key '", key, "' has a Partial placement on mesh dim ",
+                    d, "; its values are not final (redistribute it to Replicate or Shard first)");
+        if (p.is_replicate() && coord[d] != 0) replicate_zero = false;
+        if (coord[d] != 0) all_zero = false;
+      }
+      writes = replicate_zero && (local.numel() > 0 || (numel_of(dt.shape()) == 0 && all_zero));
+    } else {
+      writes = rank == 0;
+    }
+    if (!writes) continue;
+    if (auto to = detail::tied_to(written, local)) {
+      tied[key] = *to;
+      continue;
+    }
+    written.emplace_back(key, local);
+    entries.push_back({key, local.scalar_type(), local.sizes().vec()});
+    tensors.push_back(local);
+    sharding[key] = {{"saved_offsets", value.local_offset()}};
+  }
+
+  SaveResult result;
+  if (!entries.empty()) {
+    std::map<std::string, std::string> metadata{{kShardingInfoKey, sharding.dump()}, {"DCP_VERSION", "1.0"}};
+    if (!tied.empty()) metadata[kTiedMetadataKey] = tied.dump();
+    SafetensorsWriter writer(detail::join_path(dir, sharded_file_name(rank)), entries, std::move(metadata));
+    for (size_t i = 0; i < entries.size(); ++i) writer.write(entries[i].name, tensors[i]);
+    result.files.push_back(writer.finish(options.fsync));
+    result.bytes = result.files.back().size;
+  }
+  result.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  return result;
+}
+
+LoadResult load_sharded(StateDict& target, const std::string& dir, const LoadOptions& options) {
+  const auto start = Clock::now();
+  const detail::SavedIndex index = detail::SavedIndex::build(dir);
+  LoadResult result = detail::load_into(target, index, options);
+  result.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  return result;
+}
+
+}  // namespace fsdp::checkpoint

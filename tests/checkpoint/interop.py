@@ -1,0 +1,160 @@
+"""The Python side of checkpoint_python_test: PyTorch and safetensors read
+what fsdp2cpp writes, and PyTorch writes what fsdp2cpp reads.
+
+Values come from `formula`, computed here independently of the C++ side
+(checkpoint_test_util.h has the same formula and the same SPECS table).
+
+    python interop.py read_sharded DIR    # PyTorch's HuggingFaceStorageReader loads DIR
+    python interop.py write_sharded DIR   # 3 gloo ranks save DTensors with HuggingFaceStorageWriter
+    python interop.py read_hf DIR         # safetensors.torch.load_file reads an HF export
+    python interop.py verify_manifest DIR # sizes and zlib.crc32 of a checkpoint's manifest
+
+Exits non-zero with a message on any mismatch.
+"""
+
+import io
+import json
+import math
+import os
+import sys
+import tempfile
+import zlib
+
+import torch
+
+# key, shape, dtype, seed, is a DTensor (else a plain tensor)
+SPECS = [
+    ("embed.weight", [10, 3], torch.float32, 1, True),
+    ("layers.0.bias", [7], torch.bfloat16, 2, True),
+    ("layers.0.idx", [2, 5], torch.int64, 3, True),
+    ("layers.1.weight", [9, 2, 2], torch.float16, 4, True),
+    ("norm.weight", [5], torch.float32, 5, False),
+    ("scale", [], torch.float64, 6, False),
+    ("empty", [0, 4], torch.float32, 7, True),
+]
+
+
+def formula(shape, dtype, seed):
+    n = math.prod(shape)
+    base = torch.arange(n, dtype=torch.int64)
+    if dtype == torch.bool:
+        out = ((base + seed) % 3) == 0
+    else:
+        v = (base * 7 + 13 * seed) % 251 - 125
+        out = (v.double() * 0.25).to(dtype) if dtype.is_floating_point else v.to(dtype)
+    return out.reshape(shape)
+
+
+def check(name, got, expected):
+    if got.dtype != expected.dtype or list(got.shape) != list(expected.shape) or not torch.equal(got, expected):
+        sys.exit(f"MISMATCH {name}: got {got.dtype} {list(got.shape)} {got}\nexpected {expected.dtype} "
+                 f"{list(expected.shape)} {expected}")
+
+
+def read_sharded(path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    sd = {key: torch.zeros(shape, dtype=dtype) for key, shape, dtype, _, _ in SPECS}
+    dcp.load(sd, storage_reader=HuggingFaceStorageReader(path), no_dist=True)
+    for key, shape, dtype, seed, _ in SPECS:
+        check(key, sd[key], formula(shape, dtype, seed))
+    print(f"read_sharded: {len(sd)} tensors equal the formula")
+
+
+def _object_collectives_without_numpy():
+    """torch's object collectives (which DCP's planning uses) turn the
+    received bytes back into an object through numpy; the venv has no numpy,
+    so do that step with torch alone."""
+    import torch.distributed.distributed_c10d as c10d
+
+    def tensor_to_object(tensor, tensor_size, group):
+        buf = bytes(tensor.cpu()[:tensor_size].tolist())
+        return c10d._unpickler(io.BytesIO(buf)).load()
+
+    c10d._tensor_to_object = tensor_to_object
+
+    # safetensors.torch.save hands the Rust serializer each tensor's address
+    # through a numpy array; hand it the address directly (little-endian host,
+    # so no byte swap is involved). The bytes are still laid out by safetensors.
+    import types
+
+    import safetensors.torch as st
+
+    def to_ndarray(tensor):
+        tensor = tensor.cpu()
+        buf = types.SimpleNamespace(ctypes=types.SimpleNamespace(data=tensor.data_ptr()),
+                                    nbytes=tensor.numel() * tensor.element_size())
+        return buf, tensor
+
+    st._to_ndarray = to_ndarray
+
+
+def _write_rank(rank, world, init_file, path):
+    _object_collectives_without_numpy()
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    sd = {}
+    for key, shape, dtype, seed, is_dtensor in SPECS:
+        full = formula(shape, dtype, seed)
+        sd[key] = distribute_tensor(full, mesh, [Shard(0)]) if is_dtensor else full
+    dcp.save(sd, storage_writer=HuggingFaceStorageWriter(path, save_distributed=True))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def write_sharded(path, world=3):
+    import torch.multiprocessing as mp
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_write_rank, args=(world, os.path.join(tmp, "init"), path), nprocs=world, join=True)
+    print(f"write_sharded: {sorted(os.listdir(path))}")
+
+
+def read_hf(path):
+    from safetensors.torch import load_file
+
+    with open(os.path.join(path, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    loaded = {}
+    for file in sorted(set(index["weight_map"].values())):
+        tensors = load_file(os.path.join(path, file))
+        for key, value in tensors.items():
+            if index["weight_map"].get(key) != file:
+                sys.exit(f"MISMATCH: {key} is in {file} but the index says {index['weight_map'].get(key)}")
+            loaded[key] = value
+    total = 0
+    for key, shape, dtype, seed, _ in SPECS:
+        if key not in loaded:
+            sys.exit(f"MISSING {key} in the export")
+        check(key, loaded[key], formula(shape, dtype, seed))
+        total += loaded[key].numel() * loaded[key].element_size()
+    if index["metadata"]["total_size"] != total:
+        sys.exit(f"MISMATCH total_size {index['metadata']['total_size']} != {total}")
+    print(f"read_hf: {len(loaded)} tensors equal the formula, total_size {total}")
+
+
+def verify_manifest(path):
+    with open(os.path.join(path, "manifest.json")) as f:
+        manifest = json.load(f)
+    for entry in manifest["files"]:
+        with open(os.path.join(path, entry["path"]), "rb") as f:
+            data = f.read()
+        if len(data) != entry["size"] or f"{zlib.crc32(data) & 0xffffffff:08x}" != entry["crc32"]:
+            sys.exit(f"MISMATCH {entry['path']}: size {len(data)} crc32 {zlib.crc32(data) & 0xffffffff:08x} vs {entry}")
+    print(f"verify_manifest: {len(manifest['files'])} files match")
+
+
+if __name__ == "__main__":
+    commands = {"read_sharded": read_sharded, "write_sharded": write_sharded, "read_hf": read_hf,
+                "verify_manifest": verify_manifest}
+    if len(sys.argv) != 3 or sys.argv[1] not in commands:
+        sys.exit(__doc__)
+    commands[sys.argv[1]](sys.argv[2])
