@@ -160,4 +160,42 @@ void FSDPParam::accumulate_sharded_grad(const at::Tensor& reduced_padded_chunk) 
   }
 }
 
+namespace {
+
+bool same_view(const at::Tensor& a, const at::Tensor& b) {
+  return a.storage().unsafeGetStorageImpl() == b.storage().unsafeGetStorageImpl() &&
+         a.storage_offset() == b.storage_offset() && a.sizes() == b.sizes() && a.strides() == b.strides() &&
+         a.scalar_type() == b.scalar_type();
+}
+
+}  // namespace
+
+void FSDPParam::reset_sharded_param(bool adopt) {
+  const bool sharded = state_ == ShardedState::kSharded;
+  const at::Tensor& expected = sharded ? sharded_view_ : unsharded_view_;
+  if (same_view(param_, expected)) return;
+  if (sharded && !adopt) {
+    param_.set_data(sharded_view_);
+    return;
+  }
+  const char* how =
+      " torch::load, Module::to and Tensor::set_data/set_ do not know about sharding: save and load a sharded model "
+      "with fsdp::get_model_state_dict / fsdp::set_model_state_dict (fsdp2/state_dict.h), and move or cast a model "
+      "before fully_shard.";
+  TORCH_CHECK(sharded, "fsdp2: the data of parameter '", fqn_,
+              "' was replaced while it was unsharded; the new values would be dropped at the next reshard.", how);
+  TORCH_CHECK(
+      param_.sizes() == c10::IntArrayRef(sharded_shape_) && param_.scalar_type() == orig_dtype() &&
+          param_.device() == padded_shard_.device(),
+      "fsdp2: the data of sharded parameter '", fqn_, "' was replaced: it is now ", param_.sizes(), " ",
+      param_.scalar_type(), " on ", param_.device(), ", but this rank's shard is ", c10::IntArrayRef(sharded_shape_),
+      " ", orig_dtype(), " on ", padded_shard_.device(), " (of the full shape ", c10::IntArrayRef(unsharded_shape_),
+      "). A full-shape value (an unsharded checkpoint) or another device or dtype cannot be used in place.", how);
+  // Same shape, dtype and device: new values for this rank's rows (e.g.
+  // torch::load of a file that torch::save wrote from this rank's shard).
+  c10::NoGradGuard no_grad;
+  sharded_view_.copy_(param_.detach());
+  param_.set_data(sharded_view_);
+}
+
 }  // namespace fsdp::detail

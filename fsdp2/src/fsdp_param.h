@@ -66,6 +66,10 @@ class FSDPParam {
   // This rank's padded shard (1-D, padded_shard_numel() elements).
   const at::Tensor& padded_shard() const { return padded_shard_; }
   int64_t shard_world_size() const { return world_size_; }
+  int64_t shard_rank() const { return rank_; }
+  // This rank's unpadded rows of padded_shard() in the sharded shape: what P
+  // is while sharded, and what state dicts expose.
+  const at::Tensor& sharded_view() const { return sharded_view_; }
   // The dtype of the sharded parameter, its gradient and the optimizer.
   c10::ScalarType orig_dtype() const { return padded_shard_.scalar_type(); }
   // The dtype of the unsharded parameter.
@@ -94,6 +98,18 @@ class FSDPParam {
   // Adds a reduced gradient (this rank's padded chunk, padded_shard_numel()
   // elements, any dtype) to the sharded gradient, in orig_dtype().
   void accumulate_sharded_grad(const at::Tensor& reduced_padded_chunk);
+
+  // [Note: replaced parameter data] torch::load (InputArchive::read does
+  // P.set_(loaded)), Module::to and set_data can point P away from the shard
+  // that the all-gather reads, which would silently drop the new values at
+  // the next unshard. Called before the shard is read (copy-in, state
+  // dicts): when P no longer views its shard but still has the sharded
+  // shape, dtype and device, its values are copied into the shard and P is
+  // pointed back (FSDP2's reset_sharded_param); otherwise it throws naming
+  // the parameter and fsdp::set_model_state_dict. With `adopt` false (a
+  // load is about to overwrite the shard) P is pointed back whatever its
+  // data became. Cheap when nothing changed (a few comparisons).
+  void reset_sharded_param(bool adopt = true);
 
  private:
   void stash_sharded_grad();

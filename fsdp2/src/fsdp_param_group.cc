@@ -123,6 +123,7 @@ void FSDPParamGroup::unshard(bool async_op) {
         std::vector<at::Tensor> sources;
         sources.reserve(params_.size());
         for (const auto& p : params_) {
+          p->reset_sharded_param();  // see [Note: replaced parameter data]
           // Mixed precision: the shard is cast to param_dtype on the way in.
           sources.push_back(p->orig_dtype() == param_dtype_ ? p->padded_shard() : p->padded_shard().to(param_dtype_));
         }
