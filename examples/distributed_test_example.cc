@@ -5,15 +5,22 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstdlib>
 #include <iostream>
+#include <string>
+#include <vector>
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/ones.h>
 #include <gtest/gtest.h>
 
 #include "collectives/communicator.h"
 #include "device_mesh/device_mesh.h"
 #include "device_mesh/dtensor.h"
+#include "device_mesh/state_dict.h"
 #include "fsdp_testing/distributed_test.h"
 
 using fsdp::testing::DistributedTestOptions;
@@ -72,6 +79,23 @@ TEST(Meshes, TwoByTwoMeshHasAGroupPerDimension) {
     auto rep = dt.redistribute({fsdp::Placement::replicate()});
     EXPECT_TRUE(again.equal(full));
     EXPECT_TRUE(rep.to_local().equal(full));
+  });
+}
+
+TEST(StateDicts, HoldTensorsAndDTensorsByFqn) {
+  fsdp::testing::run_distributed(2, [](RankContext& ctx) {
+    const fsdp::DeviceMesh& mesh = ctx.mesh();
+    at::Tensor rows = at::full({50, 16}, static_cast<double>(ctx.rank()));  // this rank's half of 100 rows
+    fsdp::StateDict sd;
+    sd.insert("embed.weight",
+              fsdp::DTensor::from_local(rows, mesh, {fsdp::Placement::shard(0)}, std::vector<int64_t>{100, 16}));
+    sd.insert("norm.weight", at::ones({16}));  // a plain tensor: the same on every rank
+    int64_t local_elements = 0;
+    for (const auto& [fqn, value] : sd) local_elements += value.local().numel();
+    EXPECT_EQ(local_elements, 50 * 16 + 16);
+    EXPECT_EQ(sd.at("embed.weight").global_shape(), (std::vector<int64_t>{100, 16}));
+    EXPECT_EQ(sd.at("embed.weight").local_offset(), (std::vector<int64_t>{50 * ctx.rank(), 0}));
+    EXPECT_EQ(sd.keys(), (std::vector<std::string>{"embed.weight", "norm.weight"}));
   });
 }
 

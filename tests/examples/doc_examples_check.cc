@@ -13,7 +13,8 @@
 //   //
 //   //   fsdp::fully_shard(block, opts);
 // The header's example ends at the first blank comment line ("//").
-// An excerpt matches when its lines appear in the file in the same order,
+// A header may quote examples/, tools/, tests/ or a layer's src/ (all
+// compiled). An excerpt matches when its lines appear in the file in the same order,
 // consecutive except where the excerpt has a line "..." (or "// ..."), which
 // skips any number of lines. Indentation, runs of spaces and blank lines do
 // not count. Prints every mismatch with the line that differs; exit 1 if
@@ -91,7 +92,7 @@ void markdown_excerpts(const fs::path& root, const fs::path& file, std::vector<E
 void header_excerpts(const fs::path& root, const fs::path& file, std::vector<Excerpt>& out) {
   const std::vector<std::string> lines = read_lines(file);
   const std::string name = fs::relative(file, root).string();
-  static const std::regex kMarker(R"(^//.*\(((?:examples|tools|tests)/[^()\s]+)\):\s*$)");
+  static const std::regex kMarker(R"(^//.*\(((?:examples|tools|tests|[a-z_]+/src)/[^()\s]+)\):\s*$)");
   for (size_t i = 0; i < lines.size(); ++i) {
     std::smatch m;
     if (!std::regex_match(lines[i], m, kMarker)) continue;
