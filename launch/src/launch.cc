@@ -72,7 +72,7 @@ std::string resolve_program(const std::string& program) {
   while (start <= dirs.size()) {
     const size_t end = std::min(dirs.find(':', start), dirs.size());
     const std::string dir = end > start ? dirs.substr(start, end - start) : ".";
-    const std::string candidate = dir + "/" + program;
+    std::string candidate = dir + "/" + program;
     if (is_executable_file(candidate)) return candidate;
     start = end + 1;
   }

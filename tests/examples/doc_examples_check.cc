@@ -20,6 +20,7 @@
 // not count. Prints every mismatch with the line that differs; exit 1 if
 // any, 0 with a count otherwise.
 #include <cstdio>
+#include <exception>
 #include <filesystem>
 #include <fstream>
 #include <regex>
@@ -156,7 +157,7 @@ std::string check(const fs::path& root, const Excerpt& e) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   if (argc != 2) {
     std::fprintf(stderr, "usage: doc_examples_check SOURCE_ROOT\n");
     return 2;
@@ -193,4 +194,13 @@ int main(int argc, char** argv) {
   std::printf("doc_examples_check: %zu examples in %d files match the compiled sources they quote\n", excerpts.size(),
               files);
   return 0;
+}
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {  // an unreadable tree, a bad path
+    std::fprintf(stderr, "doc_examples_check: %s\n", e.what());
+    return 2;
+  }
 }

@@ -62,7 +62,7 @@ int main(int argc, char** argv) {
       have_mesh = true;
     } else if (flag == "--no-prefix") {
       options.prefix_output = false;
-    } else if (arg.rfind("-", 0) == 0) {
+    } else if (arg.rfind('-', 0) == 0) {
       return usage_error("unknown flag '" + arg + "'");
     } else {
       return usage_error("expected '--' before the program to run (got '" + arg + "'): fsdprun --nproc N -- " + arg);
