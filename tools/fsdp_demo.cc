@@ -28,7 +28,7 @@
 #include "absl/flags/parse.h"
 #include "collectives/world.h"
 #include "device_mesh/device_mesh.h"
-#include "launcher.h"
+#include "launch/launch.h"
 
 // Optional so that "not given" is visible: a process started by torchrun (RANK
 // and WORLD_SIZE set) then runs as its rank instead of launching more.
@@ -107,7 +107,7 @@ int launch(int nproc, const char* argv0) {
     return 2;
   }
   std::printf("fsdp_demo: starting %d rank%s on 127.0.0.1\n", nproc, nproc == 1 ? "" : "s");
-  const int rc = fsdp_train::launch_local_ranks(nproc, {argv0});
+  const int rc = fsdp::launch::launch_local_ranks(nproc, {argv0});
   if (rc == 0) {
     std::printf("fsdp_demo: %d of %d ranks OK\n", nproc, nproc);
   } else {

@@ -1,8 +1,11 @@
 # Installs fsdp2cpp into a fresh prefix, then configures, builds and runs a
-# downstream project against the installed package (not the build tree).
+# downstream project against the installed package (not the build tree); with
+# DOWNSTREAM_SOURCE_DIR, also the example project examples/downstream, run as
+# HSDP 2x2 on 4 ranks by the installed fsdprun.
 #
 #   cmake -DFSDP2CPP_BINARY_DIR=<build> -DPREFIX=<dir> -DCONSUMER_SOURCE_DIR=<dir>
 #         -DCONSUMER_BINARY_DIR=<dir> -DEXPECTED_TORCH_ROOT=<dir>
+#         [-DDOWNSTREAM_SOURCE_DIR=<dir> -DDOWNSTREAM_BINARY_DIR=<dir>]
 #         [-DGENERATOR=<gen>] [-DMAKE_PROGRAM=<path>] [-DCXX_COMPILER=<path>]
 #         -P run_consumer_test.cmake
 #
@@ -24,7 +27,7 @@ function(step name)
   set(step_output "${out}" PARENT_SCOPE)
 endfunction()
 
-file(REMOVE_RECURSE "${PREFIX}" "${CONSUMER_BINARY_DIR}")
+file(REMOVE_RECURSE "${PREFIX}" "${CONSUMER_BINARY_DIR}" "${DOWNSTREAM_BINARY_DIR}")
 
 step("install" "${CMAKE_COMMAND}" --install "${FSDP2CPP_BINARY_DIR}" --prefix "${PREFIX}")
 
@@ -38,16 +41,18 @@ foreach(f IN LISTS installed_cmake)
   endif()
 endforeach()
 
-set(configure_args -S "${CONSUMER_SOURCE_DIR}" -B "${CONSUMER_BINARY_DIR}" "-DCMAKE_PREFIX_PATH=${PREFIX}")
+# The toolchain of the fsdp2cpp build, for every project configured here.
+set(toolchain_args "-DCMAKE_PREFIX_PATH=${PREFIX}")
 if(GENERATOR)
-  list(APPEND configure_args -G "${GENERATOR}")
+  list(APPEND toolchain_args -G "${GENERATOR}")
 endif()
 if(MAKE_PROGRAM)
-  list(APPEND configure_args "-DCMAKE_MAKE_PROGRAM=${MAKE_PROGRAM}")
+  list(APPEND toolchain_args "-DCMAKE_MAKE_PROGRAM=${MAKE_PROGRAM}")
 endif()
 if(CXX_COMPILER)
-  list(APPEND configure_args "-DCMAKE_CXX_COMPILER=${CXX_COMPILER}")
+  list(APPEND toolchain_args "-DCMAKE_CXX_COMPILER=${CXX_COMPILER}")
 endif()
+set(configure_args -S "${CONSUMER_SOURCE_DIR}" -B "${CONSUMER_BINARY_DIR}" ${toolchain_args})
 step("configure" "${CMAKE_COMMAND}" ${configure_args})
 string(FIND "${step_output}" "torch at ${EXPECTED_TORCH_ROOT}" at)
 if(at EQUAL -1)
@@ -67,3 +72,20 @@ foreach(expected
     message(FATAL_ERROR "consumer test: output does not match '${expected}':\n${step_output}")
   endif()
 endforeach()
+
+if(NOT DOWNSTREAM_SOURCE_DIR)
+  return()
+endif()
+set(fsdprun "${PREFIX}/bin/fsdprun")
+if(NOT EXISTS "${fsdprun}")
+  message(FATAL_ERROR "consumer test: the install has no ${fsdprun}")
+endif()
+step("configure examples/downstream" "${CMAKE_COMMAND}" -S "${DOWNSTREAM_SOURCE_DIR}" -B "${DOWNSTREAM_BINARY_DIR}"
+     ${toolchain_args})
+step("build examples/downstream" "${CMAKE_COMMAND}" --build "${DOWNSTREAM_BINARY_DIR}")
+step("run examples/downstream (fsdprun --nproc 4 --mesh 2x2)" "${fsdprun}" --nproc 4 --mesh 2x2 --
+     "${DOWNSTREAM_BINARY_DIR}/tiny_lm_train")
+message(STATUS "examples/downstream output:\n${step_output}")
+if(NOT step_output MATCHES "\\[rank0\\] OK: 4 ranks, DeviceMesh\\(cpu, \\[\\[0, 1\\], \\[2, 3\\]\\]")
+  message(FATAL_ERROR "consumer test: examples/downstream did not report a matching HSDP 2x2 run:\n${step_output}")
+endif()

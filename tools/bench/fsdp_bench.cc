@@ -26,7 +26,7 @@
 #include "config.h"
 #include "device_mesh/device_mesh.h"
 #include "fsdp2/fully_shard.h"
-#include "launcher.h"
+#include "launch/launch.h"
 #include "model.h"
 
 ABSL_FLAG(int, nproc, 2, "local ranks to start (ignored under torchrun, where RANK is set)");
@@ -148,7 +148,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "fsdp_bench: --nproc must be at least 1 (got %d)\n", nproc);
       return 2;
     }
-    return fsdp_train::launch_local_ranks(nproc, fsdp_train::remove_flag(args, "nproc"));
+    return fsdp::launch::launch_local_ranks(nproc, fsdp_train::remove_flag(args, "nproc"));
   }
   return run_rank();
 }

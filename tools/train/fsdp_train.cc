@@ -31,7 +31,7 @@
 #include "collectives/world.h"
 #include "config.h"
 #include "data.h"
-#include "launcher.h"
+#include "launch/launch.h"
 #include "trainer.h"
 
 namespace {
@@ -105,7 +105,7 @@ int env_int(const char* name, int fallback) {
 // A one-rank world without a launcher: an env:// rendezvous with itself on a
 // free local port.
 std::shared_ptr<fsdp::collectives::World> single_rank_world() {
-  const int port = fsdp_train::free_port();
+  const int port = fsdp::launch::free_port();
   TORCH_CHECK(port > 0, "fsdp_train: cannot find a free port on 127.0.0.1 for the single-rank rendezvous");
   ::setenv("RANK", "0", 1);
   ::setenv("WORLD_SIZE", "1", 1);
@@ -161,7 +161,7 @@ int main(int argc, char** argv) {
     }
   }
   if (nproc) {
-    return fsdp_train::launch_local_ranks(*nproc, fsdp_train::remove_flag(args, "nproc"));
+    return fsdp::launch::launch_local_ranks(*nproc, fsdp_train::remove_flag(args, "nproc"));
   }
 
   const std::string who = torchrun_rank ? std::string("[rank ") + std::getenv("RANK") + "] " : "";

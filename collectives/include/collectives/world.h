@@ -2,11 +2,13 @@
 //
 // A World knows this process's global rank, the world size, its local rank
 // on the node, and a c10d Store shared by all ranks. It creates Communicators
-// for any subset of ranks.
+// for any subset of ranks (examples/downstream/main.cc):
 //
-//   auto world = fsdp::collectives::World::from_env();      // torchrun, srun
-//   auto comm = world->new_group(world->all_ranks(), c10::kCPU);
-//   comm->all_reduce(t, ReduceOp::sum()).wait();
+//   auto world = fsdp::collectives::World::from_env();
+//   ...
+//   auto metrics = world->new_group(world->all_ranks(), c10::kCPU);
+//   ...
+//   metrics->all_reduce(global_loss, fsdp::collectives::ReduceOp::avg()).wait();
 //
 // Rendezvous methods:
 //   env://   MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE (required) and

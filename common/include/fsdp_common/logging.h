@@ -9,9 +9,9 @@
 // The level comes from the environment variable FSDP2CPP_LOG_LEVEL (trace,
 // debug, info, warn, error, off; default warn) and can be changed with
 // set_log_level(). Messages go to stderr, prefixed with the rank when
-// set_log_rank() was called.
+// set_log_rank() was called (collectives/src/world.cc):
 //
-//   FSDP2CPP_LOG_DEBUG(c10::str("FSDP::all_gather (", fqn, ")"));
+//   FSDP2CPP_LOG_INFO(c10::str("rendezvous ", description, ": all ", world_size, " ranks joined"));
 #pragma once
 
 #include <string_view>

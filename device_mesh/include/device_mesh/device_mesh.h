@@ -9,8 +9,9 @@
 //               3 4 5
 //   rank 4: coordinate {1, 1}; group("shard") = [3,4,5]; group("replicate") = [1,4].
 //
-//   auto world = fsdp::collectives::World::from_env();
-//   auto mesh = fsdp::init_device_mesh(world, c10::kCUDA, {2, 4}, {"replicate", "shard"});
+// A 2x2 mesh of 4 ranks (examples/distributed_test_example.cc):
+//
+//   auto mesh = fsdp::init_device_mesh(world, c10::kCPU, {2, 2}, {"replicate", "shard"});
 //   auto shard_comm = mesh.group("shard");
 //   fsdp::DeviceMesh dp = mesh["shard"];               // 1-D slice, same group
 //

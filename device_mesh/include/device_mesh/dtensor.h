@@ -4,10 +4,10 @@
 // Uneven sharding follows torch.chunk (see placement.h): with 10 rows over 4
 // ranks the local row counts are 3, 3, 3, 1; with 2 rows over 4 ranks they are
 // 1, 1, 0, 0. Several mesh dims may shard the same tensor dim (the chunking
-// then nests in mesh-dim order, as DTensor does).
+// then nests in mesh-dim order, as DTensor does). Over a 1-D mesh `dp`
+// (examples/distributed_test_example.cc):
 //
-//   auto mesh = fsdp::init_device_mesh(world, c10::kCPU, {4});
-//   auto dt = fsdp::distribute_tensor(full, mesh, {fsdp::Placement::shard(0)});
+//   auto dt = fsdp::distribute_tensor(full, dp, {fsdp::Placement::shard(0)});
 //   at::Tensor again = dt.full_tensor();               // == full on every rank
 //   auto rep = dt.redistribute({fsdp::Placement::replicate()});
 #pragma once

@@ -3,12 +3,15 @@
 // The currency between the layer that knows which rows a rank owns (fsdp2's
 // get_model_state_dict / get_optimizer_state_dict) and the layer that knows
 // files (checkpoint/), as PyTorch's `Dict[str, Tensor | DTensor]` is between
-// torch.distributed.checkpoint.state_dict and torch.distributed.checkpoint.
+// torch.distributed.checkpoint.state_dict and torch.distributed.checkpoint
+// (examples/distributed_test_example.cc):
 //
 //   fsdp::StateDict sd;
-//   sd.insert("embed.weight", fsdp::DTensor::from_local(rows, mesh, {fsdp::Placement::shard(0)}, {100, 16}));
+//   sd.insert("embed.weight",
+//             fsdp::DTensor::from_local(rows, mesh, {fsdp::Placement::shard(0)}, std::vector<int64_t>{100, 16}));
 //   sd.insert("norm.weight", at::ones({16}));          // a plain tensor: the same on every rank
-//   for (const auto& [fqn, value] : sd) { ... value.local() ... }
+//   int64_t local_elements = 0;
+//   for (const auto& [fqn, value] : sd) local_elements += value.local().numel();
 //
 // A plain tensor value is the whole tensor: replicated on every rank, or (a
 // full state dict with cpu_offload) meaningful on rank 0 only. A DTensor value

@@ -5,20 +5,29 @@
 // all-gathers a module's parameters before its forward and backward and
 // reduce-scatters its gradients after backward. Apply it to submodules first
 // (each becomes one communication group), then to the root, which takes every
-// parameter not already sharded:
+// parameter not already sharded (examples/fully_shard_basic.cc):
 //
-//   auto mesh = fsdp::init_device_mesh(world, c10::kCUDA, {world->size()});
+//   auto mesh = fsdp::init_device_mesh(world, c10::kCPU, {world->size()});
+//   torch::manual_seed(0);  // the same full model on every rank
+//   auto model = std::make_shared<Net>();
 //   fsdp::FullyShardOptions opts;
 //   opts.mesh = mesh;
-//   for (auto& block : model->blocks) fsdp::fully_shard(block, opts);
-//   fsdp::FSDPModule root = fsdp::fully_shard(model, opts);
-//   torch::optim::AdamW optim(model->parameters(), 1e-3);   // after fully_shard
-//   for (...) {
-//     auto loss = fsdp::call_module(model, x).mse_loss(y);     // or model(x) with FSDP2CPP_MODULE
+//   for (auto& block : model->blocks) fsdp::fully_shard(block, opts);  // submodules first
+//   fsdp::FSDPModule root = fsdp::fully_shard(model, opts);            // then the root
+//   torch::optim::AdamW optim(model->parameters(), 1e-3);              // after fully_shard
+//   ...
+//   for (int step = 0; step < 5; ++step) {
+//     at::Tensor loss = at::mse_loss(fsdp::call_module(*model, x), y);  // the root through its hooks
 //     loss.backward();
+//     fsdp::clip_grad_norm_(root, 1.0);  // the norm over all shards
 //     optim.step();
 //     optim.zero_grad();
+//     ...
 //   }
+//
+// `Net` holds its blocks in a std::vector<Block>, Block declared with
+// FSDP2CPP_MODULE so that `block(x)` runs the hooks; `model` is a
+// std::shared_ptr, so it is called with fsdp::call_module(*model, x).
 //
 // Parameter FQNs do not change. After fully_shard, `module->parameters()`
 // returns the sharded parameters (this rank's rows), which is what the

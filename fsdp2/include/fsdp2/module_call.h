@@ -4,18 +4,34 @@
 // ModuleHolder::operator() calls forward() directly. For fully_shard to act
 // on a module call (unshard before it, reshard and hook backward after it),
 // the call must pass through this facility, the C++ counterpart of Python's
-// `module(*args)`:
+// `module(*args)` (examples/downstream/main.cc):
 //
-//   out = fsdp::call_module(block, x, mask);   // runs block's hooks around forward
+//   const at::Tensor logits = fsdp::call_module(model, inputs);  // the root, through its hooks
 //
 // or, with no change at call sites, declare the holder with FSDP2CPP_MODULE
-// instead of TORCH_MODULE, so that `block(x)` goes through the hooks:
+// instead of TORCH_MODULE, so that `block(x)` goes through the hooks
+// (examples/downstream/tiny_lm.h):
 //
-//   struct BlockImpl : torch::nn::Module { at::Tensor forward(const at::Tensor& x); ... };
-//   FSDP2CPP_MODULE(Block);
+//   struct ResidualImpl : torch::nn::Module {
+//     ...
+//     at::Tensor forward(const at::Tensor& x) { return x + down(at::gelu(up(norm(x)))); }
+//     ...
+//   };
+//   FSDP2CPP_MODULE(Residual);  // block(x) runs fully_shard's hooks
 //
 // fsdp::Sequential is torch::nn::Sequential whose children are called through
-// their hooks. Forward arguments and results may be tensors, std::vector /
+// their hooks. A Sequential cannot hold another Sequential (LibTorch's
+// AnyModule needs a non-template forward); wrap the inner one in a module of
+// its own (examples/downstream/tiny_lm.h):
+//
+//   struct NestedImpl : torch::nn::Module {
+//     explicit NestedImpl(fsdp::Sequential inner) : inner(register_module("inner", std::move(inner))) {}
+//     at::Tensor forward(const at::Tensor& x) { return inner(x); }
+//     fsdp::Sequential inner;
+//   };
+//   FSDP2CPP_MODULE(Nested);
+//
+// Forward arguments and results may be tensors, std::vector /
 // std::tuple / std::pair / std::optional of them (nested), or plain values;
 // hooks see (and may replace) every tensor among them.
 //

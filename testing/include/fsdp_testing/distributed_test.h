@@ -7,7 +7,8 @@
 // environment), and reports every rank's failures with the rank and its
 // output. A rank that crashes fails the test with its exit status; a run that
 // does not finish within the timeout is killed and fails, naming the ranks
-// still running, so a hang never stalls CI.
+// still running, so a hang never stalls CI
+// (examples/distributed_test_example.cc):
 //
 //   TEST(AllReduce, SumsAcrossRanks) {
 //     fsdp::testing::run_distributed(3, [](fsdp::testing::RankContext& ctx) {
