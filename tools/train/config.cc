@@ -81,6 +81,22 @@ absl::Status validate(const TrainConfig& c, int64_t world_size) {
   if (auto mesh = parse_mesh(c.mesh, world_size); !mesh.ok()) return mesh.status();
   if (auto d = parse_dtype("param-dtype", c.param_dtype); !d.ok()) return d.status();
   if (auto d = parse_dtype("reduce-dtype", c.reduce_dtype); !d.ok()) return d.status();
+  if (c.no_shard) {
+    if (world_size != 1) {
+      return flag_error(absl::StrCat("--no-shard trains the unsharded model on one rank (got ", world_size,
+                                     " ranks); drop --nproc or use --nproc 1"));
+    }
+    if (!c.mesh.empty()) return flag_error(absl::StrCat("--no-shard takes no --mesh (got '", c.mesh, "')"));
+    if (c.param_dtype != "fp32" || c.reduce_dtype != "fp32") {
+      return flag_error(
+          absl::StrCat("--no-shard trains in fp32: --param-dtype and --reduce-dtype are fully_shard's "
+                       "mixed precision (got ",
+                       c.param_dtype, " and ", c.reduce_dtype, ")"));
+    }
+    if (!c.reshard_after_forward) {
+      return flag_error("--no-shard: --no-reshard-after-forward is a fully_shard option; drop it");
+    }
+  }
   return absl::OkStatus();
 }
 

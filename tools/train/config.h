@@ -60,6 +60,9 @@ struct TrainConfig {
   std::string reduce_dtype = "fp32";
   // Intra-op threads per rank; 0: the machine's cores divided among the local ranks.
   int64_t threads = 0;
+  // The same model and loop without fully_shard, on one rank: the unsharded
+  // LibTorch baseline of the benchmarks (tools/bench).
+  bool no_shard = false;
 };
 
 // The mesh of --mesh: `replicate` x `shard` ranks.

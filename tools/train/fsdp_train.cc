@@ -67,6 +67,8 @@ ABSL_FLAG(std::string, mesh, "", "RxS: replicate x shard ranks (HSDP when R > 1)
 ABSL_FLAG(std::string, param_dtype, kDefaults.param_dtype, "fp32, bf16 or fp16: MixedPrecisionPolicy.param_dtype.");
 ABSL_FLAG(std::string, reduce_dtype, kDefaults.reduce_dtype, "fp32, bf16 or fp16: MixedPrecisionPolicy.reduce_dtype.");
 ABSL_FLAG(int64_t, threads, kDefaults.threads, "Intra-op threads per rank; 0: the cores divided among local ranks.");
+ABSL_FLAG(bool, no_shard, kDefaults.no_shard,
+          "Train the same model without fully_shard on one rank (the unsharded baseline of the benchmarks).");
 
 namespace {
 
@@ -93,6 +95,7 @@ fsdp_train::TrainConfig config_from_flags() {
   c.param_dtype = absl::GetFlag(FLAGS_param_dtype);
   c.reduce_dtype = absl::GetFlag(FLAGS_reduce_dtype);
   c.threads = absl::GetFlag(FLAGS_threads);
+  c.no_shard = absl::GetFlag(FLAGS_no_shard);
   return c;
 }
 

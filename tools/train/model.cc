@@ -1,6 +1,7 @@
 #include "model.h"
 
 #include <string>
+#include <utility>
 
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/arange.h>
@@ -78,13 +79,10 @@ at::Tensor BlockImpl::forward(const at::Tensor& x, const at::Tensor& cos, const 
   return h + feed_forward(ffn_norm(h));
 }
 
-Transformer::Transformer(const ModelConfig& config) : config(config) {
+Transformer::Transformer(const ModelConfig& config, bool with_blocks) : config(config) {
   tok_embeddings = register_module("tok_embeddings", torch::nn::Embedding(config.vocab, config.dim));
   layers = register_module("layers", torch::nn::ModuleList());
-  for (int64_t i = 0; i < config.layers; ++i) {
-    blocks.push_back(Block(config));
-    layers->push_back(blocks.back());
-  }
+  for (int64_t i = 0; with_blocks && i < config.layers; ++i) append_block(Block(config));
   norm = register_module("norm", RMSNorm(config.dim, config.norm_eps));
   output = register_module("output", torch::nn::Linear(torch::nn::LinearOptions(config.dim, config.vocab).bias(false)));
   RotaryTables rope = rotary_tables(config.max_seq_len, config.dim / config.heads, config.rope_theta);
@@ -92,12 +90,31 @@ Transformer::Transformer(const ModelConfig& config) : config(config) {
   rope_sin = register_buffer("rope_sin", rope.sin);
 }
 
+void Transformer::append_block(Block block) {
+  TORCH_CHECK(static_cast<int64_t>(blocks.size()) < config.layers, "Transformer::append_block: the model already has ",
+              blocks.size(), " of its ", config.layers, " blocks");
+  blocks.push_back(std::move(block));
+  layers->push_back(blocks.back());
+}
+
 at::Tensor Transformer::forward(const at::Tensor& tokens) {
   TORCH_CHECK(tokens.dim() == 2 && tokens.size(1) <= config.max_seq_len,
               "Transformer: expected tokens [batch, seq<=", config.max_seq_len, "], got ", tokens.sizes());
+  TORCH_CHECK(static_cast<int64_t>(blocks.size()) == config.layers, "Transformer: built with ", blocks.size(), " of ",
+              config.layers, " blocks; append the rest (append_block) before calling it");
   at::Tensor h = tok_embeddings(tokens);
   for (auto& block : blocks) h = block(h, rope_cos, rope_sin);  // through the FSDP hooks
   return output(norm(h));
+}
+
+int64_t block_parameter_count(const ModelConfig& c) {
+  // qkv + proj, w1 + w2 + w3, two norms.
+  return 4 * c.dim * c.dim + 3 * c.dim * c.hidden + 2 * c.dim;
+}
+
+int64_t parameter_count(const ModelConfig& c) {
+  // Embeddings, output projection, final norm, blocks.
+  return 2 * c.vocab * c.dim + c.dim + c.layers * block_parameter_count(c);
 }
 
 }  // namespace fsdp_train

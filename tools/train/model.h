@@ -104,7 +104,12 @@ FSDP2CPP_MODULE(Block);
 // The whole model. Called through fsdp::call_module(*model, tokens) once the
 // root is sharded.
 struct Transformer : torch::nn::Module {
-  explicit Transformer(const ModelConfig& config);
+  // With with_blocks false, `layers` starts empty and the blocks are added
+  // with append_block (deferred init, see init.h).
+  explicit Transformer(const ModelConfig& config, bool with_blocks = true);
+  // Registers `block` as layers.<blocks.size()>. REQUIRES: fewer than
+  // config.layers blocks so far.
+  void append_block(Block block);
   // tokens [batch, seq] (int64, seq <= max_seq_len) -> logits [batch, seq, vocab].
   at::Tensor forward(const at::Tensor& tokens);
 
@@ -117,5 +122,10 @@ struct Transformer : torch::nn::Module {
   // Rotary tables (buffers: they follow .to(device); fully_shard leaves them alone).
   at::Tensor rope_cos, rope_sin;
 };
+
+// Parameters of one block, and of the whole model, of `config` (the counts
+// fully_shard divides among the ranks).
+int64_t block_parameter_count(const ModelConfig& config);
+int64_t parameter_count(const ModelConfig& config);
 
 }  // namespace fsdp_train

@@ -6,6 +6,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <functional>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -19,6 +21,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 #include <torch/cuda.h>
+#include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/adamw.h>
 #include <torch/utils.h>
 
@@ -31,6 +34,7 @@
 #include "fsdp2/fully_shard.h"
 #include "fsdp2/module_call.h"
 #include "fsdp_common/config.h"
+#include "init.h"
 #include "model.h"
 #include "report.h"
 
@@ -130,10 +134,14 @@ void print_header(const TrainConfig& c, const fsdp::DeviceMesh& mesh, const Corp
       "  optim   AdamW lr %g (warm-up %lld, cosine to lr/10), weight decay %g, clip %g; %lld steps, seed %lld\n", c.lr,
       static_cast<long long>(c.warmup), c.weight_decay, c.clip, static_cast<long long>(c.steps),
       static_cast<long long>(c.seed));
-  std::printf(
-      "  fsdp    fully_shard on %lld blocks + root, reshard_after_forward=%s, param dtype %s, reduce dtype %s\n",
-      static_cast<long long>(m.layers), c.reshard_after_forward ? "true" : "false", c.param_dtype.c_str(),
-      c.reduce_dtype.c_str());
+  if (c.no_shard) {
+    std::printf("  fsdp    none (--no-shard: the same model unsharded, one rank)\n");
+  } else {
+    std::printf(
+        "  fsdp    fully_shard on %lld blocks + root, reshard_after_forward=%s, param dtype %s, reduce dtype %s\n",
+        static_cast<long long>(m.layers), c.reshard_after_forward ? "true" : "false", c.param_dtype.c_str(),
+        c.reduce_dtype.c_str());
+  }
   std::fflush(stdout);
 }
 
@@ -158,29 +166,30 @@ void run_training(const TrainConfig& c, const std::shared_ptr<fsdp::collectives:
   // A CPU group over all ranks for the metrics (loss, memory, timings).
   const std::shared_ptr<Communicator> metrics = world->new_group(world->all_ranks(), c10::kCPU);
 
-  // The same initial parameters on every rank: seed, build on CPU, move.
   ModelConfig mc;
   mc.dim = c.dim;
   mc.layers = c.layers;
   mc.heads = c.heads;
   mc.hidden = hidden_size(c);
   mc.max_seq_len = c.seq_len;
-  torch::manual_seed(static_cast<uint64_t>(c.seed));
-  auto model = std::make_shared<Transformer>(mc);
-  model->to(device);
-  int64_t params = 0;
-  for (const auto& p : model->parameters()) params += p.numel();
+  const int64_t params = parameter_count(mc);
 
-  // Shard each block (one communication group each), then the root, which
-  // takes the remaining parameters (embeddings, final norm, output).
+  // Deferred init: the model is built block by block, each block initialised
+  // from (seed, parameter FQN) and sharded before the next one exists, so no
+  // rank holds all of the model and the initial values are the same at every
+  // world size. The root then takes the remaining parameters (embeddings,
+  // final norm, output). --no-shard builds the same values and shards nothing.
   fsdp::FullyShardOptions options;
   options.mesh = mesh;
   options.mp_policy.param_dtype = value_or_throw(parse_dtype("param-dtype", c.param_dtype));
   options.mp_policy.reduce_dtype = value_or_throw(parse_dtype("reduce-dtype", c.reduce_dtype));
   fsdp::FullyShardOptions block_options = options;
   block_options.reshard_after_forward = c.reshard_after_forward;
-  for (auto& block : model->blocks) fsdp::fully_shard(block, block_options);
-  fsdp::FSDPModule root = fsdp::fully_shard(model, options);
+  std::function<void(Block&)> shard_block;
+  if (!c.no_shard) shard_block = [&](Block& block) { fsdp::fully_shard(block, block_options); };
+  std::shared_ptr<Transformer> model = build_transformer(mc, c.seed, device, shard_block);
+  std::optional<fsdp::FSDPModule> root;
+  if (!c.no_shard) root = fsdp::fully_shard(model, options);
 
   // The optimizer comes after fully_shard: it must see the sharded parameters.
   torch::optim::AdamW optim(model->parameters(),
@@ -206,7 +215,8 @@ void run_training(const TrainConfig& c, const std::shared_ptr<fsdp::collectives:
     const at::Tensor logits = fsdp::call_module(*model, inputs);  // the root, through its FSDP hooks
     const at::Tensor loss = at::cross_entropy_loss(logits.flatten(0, 1).to(at::kFloat), targets.flatten());
     loss.backward();
-    if (c.clip > 0) fsdp::clip_grad_norm_(root, c.clip);
+    if (c.clip > 0 && root) fsdp::clip_grad_norm_(*root, c.clip);
+    if (c.clip > 0 && !root) torch::nn::utils::clip_grad_norm_(model->parameters(), c.clip);
     optim.step();
     const double local_loss = loss.item<double>();
     if (device.is_cuda()) torch::cuda::synchronize(device.index());
@@ -228,7 +238,7 @@ void run_training(const TrainConfig& c, const std::shared_ptr<fsdp::collectives:
 
   // Per-rank summary numbers, gathered (collective: every rank takes part).
   const std::vector<int64_t> peaks = all_gather(*metrics, std::vector<int64_t>{peak_memory_bytes(device)});
-  const CommSeconds comm = exposed_comm_seconds(root);
+  const CommSeconds comm = root ? exposed_comm_seconds(*root) : CommSeconds{};
   const std::vector<double> times =
       all_gather(*metrics, std::vector<double>{comm.all_gather, comm.reduce_scatter, step_seconds_total});
   if (rank == 0) {

@@ -1,0 +1,99 @@
+// The benchmark programs (tools/bench) in their --quick mode: each runs to
+// the end and prints its table with the expected columns and rows, and the
+// figures in it are finite positive numbers. They measure nothing here (a
+// tiny model); this keeps them from rotting.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "run_binary.h"
+
+namespace fsdp_train_test {
+namespace {
+
+// The lines of `output` that start with `prefix`.
+std::vector<std::string> lines_starting_with(const std::string& output, const std::string& prefix) {
+  std::vector<std::string> out;
+  std::istringstream in(output);
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind(prefix, 0) == 0) out.push_back(line);
+  }
+  return out;
+}
+
+// The whitespace-separated fields of `line` from index `first` on, as numbers;
+// each must parse completely and be finite and > 0.
+void expect_positive_numbers(const std::string& line, size_t first) {
+  std::istringstream in(line);
+  std::vector<std::string> fields;
+  for (std::string f; in >> f;) fields.push_back(f);
+  ASSERT_GT(fields.size(), first) << line;
+  for (size_t i = first; i < fields.size(); ++i) {
+    char* end = nullptr;
+    const double v = std::strtod(fields[i].c_str(), &end);
+    EXPECT_TRUE(end != fields[i].c_str() && *end == '\0' && std::isfinite(v) && v > 0)
+        << "field " << i << " '" << fields[i] << "' of: " << line;
+  }
+}
+
+TEST(BenchSmoke, MemoryBenchPrintsBothSystemsWithRatios) {
+  const RunResult run = run_program(FSDP_MEMORY_BENCH, {"--quick", "--cpu-only"});
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_NE(run.output.find("growth/block"), std::string::npos) << run.output;
+  EXPECT_NE(run.output.find("state/block"), std::string::npos) << run.output;
+  EXPECT_NE(run.output.find("vs PyTorch"), std::string::npos) << run.output;
+  const auto ours = lines_starting_with(run.output, "cpu    fsdp2cpp");
+  const auto theirs = lines_starting_with(run.output, "cpu    PyTorch FSDP2");
+  ASSERT_EQ(ours.size(), 1u) << run.output;
+  ASSERT_EQ(theirs.size(), 1u) << run.output;
+  // Peaks and the state per block are positive; the growth of a tiny model
+  // may be 0 or negative (page reuse), so only the columns before it.
+  std::istringstream fields(ours[0]);
+  std::string device, name, peak_small, peak_large;
+  fields >> device >> name >> peak_small >> peak_large;
+  EXPECT_GT(std::strtod(peak_small.c_str(), nullptr), 1.0) << ours[0];
+  EXPECT_GT(std::strtod(peak_large.c_str(), nullptr), 1.0) << ours[0];
+}
+
+TEST(BenchSmoke, SpeedBenchPrintsAllThreeSystemsPerWorldSize) {
+  const RunResult run = run_program(FSDP_SPEED_BENCH, {"--quick", "--cpu-only", "--world-sizes", "1,2"});
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  for (const char* column : {"(a) ms", "(b) ms", "(c) ms", "b/a", "b/c", "a MiB", "b MiB", "c MiB"}) {
+    EXPECT_NE(run.output.find(column), std::string::npos) << column << " missing:\n" << run.output;
+  }
+  const auto rows = lines_starting_with(run.output, "cpu ");
+  ASSERT_EQ(rows.size(), 2u) << "one row per world size:\n" << run.output;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    // device, 8 words of the model's name, then ws and the figures.
+    EXPECT_NE(rows[i].find(i == 0 ? "  1 " : "  2 "), std::string::npos) << rows[i];
+    expect_positive_numbers(rows[i], 9);
+  }
+}
+
+TEST(BenchSmoke, OverheadBenchPrintsPerGroupFiguresAndTheRatio) {
+  const RunResult run = run_program(FSDP_OVERHEAD_BENCH, {"--quick"});
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_NE(run.output.find("per-group us"), std::string::npos) << run.output;
+  const auto ours = lines_starting_with(run.output, "fsdp2cpp ");
+  const auto theirs = lines_starting_with(run.output, "PyTorch FSDP2 ");
+  ASSERT_EQ(ours.size(), 1u) << run.output;
+  ASSERT_EQ(theirs.size(), 1u) << run.output;
+  // Step times are positive; the per-group difference is noise in --quick.
+  std::istringstream fields(ours[0]);
+  std::string name;
+  double unsharded = 0, sharded = 0;
+  fields >> name >> unsharded >> sharded;
+  EXPECT_GT(unsharded, 0) << ours[0];
+  EXPECT_GT(sharded, 0) << ours[0];
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(run.output, m, std::regex(R"(ours / PyTorch per group: (\S+))"))) << run.output;
+  EXPECT_TRUE(std::isfinite(std::stod(m[1]))) << run.output;
+}
+
+}  // namespace
+}  // namespace fsdp_train_test

@@ -1,0 +1,236 @@
+#include "bench_util.h"
+
+#include <fcntl.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <regex>
+#include <sstream>
+
+#include <torch/cuda.h>
+
+#include "fsdp_common/config.h"
+
+extern char** environ;
+
+namespace bench {
+
+namespace {
+
+std::vector<char*> c_strings(std::vector<std::string>& strings) {
+  std::vector<char*> out;
+  out.reserve(strings.size() + 1);
+  for (auto& s : strings) out.push_back(s.data());
+  out.push_back(nullptr);
+  return out;
+}
+
+}  // namespace
+
+RunResult run_program(const std::string& program, const std::vector<std::string>& args) {
+  std::vector<std::string> env;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string entry = *e;
+    const std::string key = entry.substr(0, entry.find('='));
+    if (key == "RANK" || key == "WORLD_SIZE" || key == "LOCAL_RANK" || key == "LOCAL_WORLD_SIZE" ||
+        key == "MASTER_ADDR" || key == "MASTER_PORT") {
+      continue;
+    }
+    env.push_back(entry);
+  }
+  std::vector<std::string> argv_strings = {program};
+  argv_strings.insert(argv_strings.end(), args.begin(), args.end());
+  std::vector<char*> argv = c_strings(argv_strings), envp = c_strings(env);
+
+  RunResult result;
+  int fds[2];
+  if (::pipe2(fds, O_CLOEXEC) != 0) {
+    result.output = "pipe2 failed";
+    return result;
+  }
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);
+  posix_spawn_file_actions_adddup2(&actions, fds[1], STDERR_FILENO);
+  pid_t pid = -1;
+  const int rc = ::posix_spawnp(&pid, program.c_str(), &actions, nullptr, argv.data(), envp.data());
+  posix_spawn_file_actions_destroy(&actions);
+  ::close(fds[1]);
+  if (rc != 0) {
+    ::close(fds[0]);
+    result.output = "cannot start " + program;
+    return result;
+  }
+  char buffer[4096];
+  for (ssize_t n; (n = ::read(fds[0], buffer, sizeof(buffer))) != 0;) {
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      break;
+    }
+    result.output.append(buffer, static_cast<size_t>(n));
+  }
+  ::close(fds[0]);
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  return result;
+}
+
+std::vector<double> json_numbers(const std::string& text, const std::string& key) {
+  std::vector<double> out;
+  const std::regex re("\"" + key + R"re(":\s*([-+0-9.eE]+|nan|inf|NaN|Infinity))re");
+  for (auto it = std::sregex_iterator(text.begin(), text.end(), re); it != std::sregex_iterator(); ++it) {
+    out.push_back(std::strtod((*it)[1].str().c_str(), nullptr));
+  }
+  return out;
+}
+
+std::optional<double> json_number(const std::string& text, const std::string& key) {
+  const std::vector<double> all = json_numbers(text, key);
+  if (all.empty()) return std::nullopt;
+  return all.front();
+}
+
+std::optional<std::string> read_file(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return std::nullopt;
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+ScratchDir::ScratchDir() {
+  const char* tmp = std::getenv("TMPDIR");
+  std::string pattern = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/fsdp_bench.XXXXXX";
+  if (::mkdtemp(pattern.data()) != nullptr) path_ = pattern;
+}
+
+ScratchDir::~ScratchDir() {
+  for (const auto& f : files_) ::unlink(f.c_str());
+  if (!path_.empty()) ::rmdir(path_.c_str());
+}
+
+std::string ScratchDir::file(const std::string& name) {
+  files_.push_back(path_ + "/" + name);
+  return files_.back();
+}
+
+double median(std::vector<double> values) {
+  if (values.empty()) return 0;
+  std::sort(values.begin(), values.end());
+  const size_t n = values.size();
+  return n % 2 == 1 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
+}
+
+std::string mib(double bytes) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.1f", bytes / 1048576.0);
+  return text;
+}
+
+std::string tail(const std::string& text, int lines) {
+  size_t pos = text.size();
+  for (int i = 0; i <= lines && pos != std::string::npos && pos > 0; ++i) pos = text.rfind('\n', pos - 1);
+  return pos == std::string::npos ? text : text.substr(pos + 1);
+}
+
+Programs default_programs() {
+  const char* python = std::getenv("FSDP2CPP_PYTHON");
+  return {FSDP_BENCH_TRAINER, python != nullptr && *python != '\0' ? python : FSDP_BENCH_PYTHON, FSDP_BENCH_SCRIPT};
+}
+
+namespace {
+
+std::vector<std::string> shape_flags(const TrainShape& shape, const RunOptions& options) {
+  return {"--layers",       std::to_string(shape.layers),       "--dim",     std::to_string(shape.dim),
+          "--heads",        std::to_string(shape.heads),        "--seq-len", std::to_string(shape.seq_len),
+          "--global-batch", std::to_string(shape.global_batch), "--steps",   std::to_string(options.steps),
+          "--threads",      std::to_string(options.threads),    "--device",  options.device,
+          "--clip",         std::to_string(shape.clip)};
+}
+
+std::string command_line(const std::string& program, const std::vector<std::string>& args) {
+  std::string text = program;
+  for (const auto& a : args) text += " " + a;
+  return text;
+}
+
+Measured failure(const std::string& program, const std::vector<std::string>& args, const RunResult& run,
+                 const std::string& why) {
+  Measured m;
+  m.error = why + " (exit code " + std::to_string(run.exit_code) + "): " + command_line(program, args) + "\n" +
+            tail(run.output);
+  return m;
+}
+
+}  // namespace
+
+Measured run_fsdp_train(const Programs& programs, const TrainShape& shape, const RunOptions& options) {
+  ScratchDir dir;
+  const std::string json = dir.file("run.json");
+  std::vector<std::string> args = shape_flags(shape, options);
+  args.insert(args.end(), {"--json", json, "--log-every", "1000000"});
+  if (options.no_shard) {
+    args.push_back("--no-shard");
+  } else {
+    args.insert(args.end(), {"--nproc", std::to_string(options.nproc)});
+  }
+  const RunResult run = run_program(programs.trainer, args);
+  if (run.exit_code != 0) return failure(programs.trainer, args, run, "fsdp_train failed");
+  const std::optional<std::string> text = read_file(json);
+  const std::vector<double> tokens_per_s = text ? json_numbers(*text, "tokens_per_s") : std::vector<double>{};
+  const std::vector<double> losses = text ? json_numbers(*text, "loss") : std::vector<double>{};
+  const std::vector<double> peaks = text ? json_numbers(*text, "peak_mem_bytes") : std::vector<double>{};
+  if (tokens_per_s.empty() || losses.size() != tokens_per_s.size() || peaks.empty()) {
+    return failure(programs.trainer, args, run, "fsdp_train wrote no usable --json record");
+  }
+  std::vector<double> seconds;
+  const double tokens = static_cast<double>(shape.global_batch * shape.seq_len);
+  for (size_t i = 0; i < tokens_per_s.size(); ++i) {
+    if (static_cast<int>(i) >= options.warmup_steps ||
+        tokens_per_s.size() <= static_cast<size_t>(options.warmup_steps)) {
+      seconds.push_back(tokens / tokens_per_s[i]);
+    }
+  }
+  Measured m;
+  m.ok = true;
+  m.median_step_s = median(seconds);
+  m.peak_bytes = peaks.back();
+  m.loss_first = losses.front();
+  m.loss_last = losses.back();
+  return m;
+}
+
+Measured run_pytorch_fsdp2(const Programs& programs, const TrainShape& shape, const RunOptions& options) {
+  std::vector<std::string> args = {programs.script,  "train",
+                                   "--nproc",        std::to_string(options.nproc),
+                                   "--warmup-steps", std::to_string(options.warmup_steps)};
+  const std::vector<std::string> flags = shape_flags(shape, options);
+  args.insert(args.end(), flags.begin(), flags.end());
+  if (options.no_shard) args.push_back("--no-shard");
+  const RunResult run = run_program(programs.python, args);
+  const size_t at = run.output.rfind("RESULT ");
+  if (run.exit_code != 0 || at == std::string::npos) {
+    return failure(programs.python, args, run, "the PyTorch FSDP2 script failed");
+  }
+  const std::string result = run.output.substr(at);
+  Measured m;
+  m.median_step_s = json_number(result, "median_step_s").value_or(0);
+  m.peak_bytes = json_number(result, "peak_bytes").value_or(0);
+  m.loss_first = json_number(result, "loss_first").value_or(0);
+  m.loss_last = json_number(result, "loss_last").value_or(0);
+  m.ok = m.median_step_s > 0 && m.peak_bytes > 0;
+  if (!m.ok) return failure(programs.python, args, run, "the PyTorch FSDP2 script printed no usable RESULT");
+  return m;
+}
+
+bool have_cuda_devices(int n) { return FSDP2CPP_WITH_CUDA && static_cast<int>(torch::cuda::device_count()) >= n; }
+
+}  // namespace bench

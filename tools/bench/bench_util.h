@@ -1,0 +1,105 @@
+// Helpers of the side-by-side benchmarks (fsdp_memory_bench, fsdp_speed_bench,
+// fsdp_overhead_bench): run a program and capture what it prints, read the
+// numbers fsdp_train's --json and the PyTorch script's RESULT line carry, and
+// format table cells.
+//
+//   bench::RunResult r = bench::run_program(python, {script, "train", "--nproc", "2"});
+//   std::optional<double> step = bench::json_number(r.output, "median_step_s");
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace bench {
+
+struct RunResult {
+  int exit_code = -1;  // 128 + signal when killed by a signal
+  std::string output;  // stdout and stderr, interleaved
+};
+
+// Runs `program` with `args` (no shell) and waits for it. The child gets this
+// process's environment without the rendezvous variables (RANK, WORLD_SIZE,
+// MASTER_ADDR, ...), so it never joins the caller's job.
+RunResult run_program(const std::string& program, const std::vector<std::string>& args);
+
+// The number after `"key":` in `text` (the first occurrence), if any.
+std::optional<double> json_number(const std::string& text, const std::string& key);
+// Every number after `"key":` in `text`, in order.
+std::vector<double> json_numbers(const std::string& text, const std::string& key);
+
+// The whole file, or nullopt when it cannot be read.
+std::optional<std::string> read_file(const std::string& path);
+
+// A scratch file path in a fresh directory under $TMPDIR (or /tmp); the
+// directory and what is in it are removed with the object.
+class ScratchDir {
+ public:
+  ScratchDir();
+  ~ScratchDir();
+  ScratchDir(const ScratchDir&) = delete;
+  ScratchDir& operator=(const ScratchDir&) = delete;
+  std::string file(const std::string& name);
+
+ private:
+  std::string path_;
+  std::vector<std::string> files_;
+};
+
+double median(std::vector<double> values);
+
+// "12.3" MiB of `bytes`.
+std::string mib(double bytes);
+
+// The last `lines` lines of `text`, for error messages.
+std::string tail(const std::string& text, int lines = 15);
+
+// Where the programs a side-by-side run starts live. The defaults are
+// compiled in (the build's fsdp_train, the build's Python or $FSDP2CPP_PYTHON
+// when set, the script in the source tree); each benchmark has flags to
+// override them.
+struct Programs {
+  std::string trainer;  // fsdp_train
+  std::string python;   // a Python with torch
+  std::string script;   // tools/bench/python/fsdp2_bench.py
+};
+Programs default_programs();
+
+// The trainer's model and batch: fsdp_train's flags of the same names.
+struct TrainShape {
+  int64_t layers = 4;
+  int64_t dim = 64;
+  int64_t heads = 4;
+  int64_t seq_len = 32;
+  int64_t global_batch = 8;
+  double clip = 0;
+};
+
+// One training run's figures.
+struct Measured {
+  bool ok = false;
+  std::string error;         // when !ok: the command and its output's tail
+  double median_step_s = 0;  // median over the steps after the warm-up steps, slowest rank
+  double peak_bytes = 0;     // max over ranks: max RSS (CPU) or allocator peak (CUDA)
+  double loss_first = 0, loss_last = 0;
+};
+
+struct RunOptions {
+  int nproc = 1;
+  bool no_shard = false;  // fsdp_train --no-shard / the script's --no-shard (nproc 1)
+  std::string device = "cpu";
+  int steps = 10;        // including warm-up
+  int warmup_steps = 2;  // untimed
+  int threads = 1;       // intra-op threads per rank
+};
+
+// fsdp_train with `shape` and `options` (--json, parsed).
+Measured run_fsdp_train(const Programs& programs, const TrainShape& shape, const RunOptions& options);
+// The same model and loop under PyTorch FSDP2 (fsdp2_bench.py train).
+Measured run_pytorch_fsdp2(const Programs& programs, const TrainShape& shape, const RunOptions& options);
+
+// Whether this machine has `n` CUDA devices for the CUDA rows.
+bool have_cuda_devices(int n);
+
+}  // namespace bench

@@ -1,0 +1,143 @@
+// fsdp_speed_bench: the trainer's model side by side in one run under
+//   (a) unsharded LibTorch        fsdp_train --no-shard, one rank
+//   (b) fsdp2cpp                  fsdp_train --nproc N
+//   (c) PyTorch FSDP2 in Python   tools/bench/python/fsdp2_bench.py, same model
+// for world sizes 1 and 2 and the two models of issue 13's table, 1 intra-op
+// thread per rank, on CPU (Gloo) and, where GPUs are present, CUDA (NCCL).
+// Prints the median step time (slowest rank), peak memory per rank, and the
+// ratios b/a and b/c. At world size N, (a) trains the per-rank batch
+// (global batch / N) on one rank: the compute one rank of (b) does, without
+// sharding, so b/a is what sharding costs.
+//
+//   fsdp_speed_bench              about two minutes: 8 steps per run (2 untimed)
+//   fsdp_speed_bench --steps 40   longer runs, steadier medians
+//   fsdp_speed_bench --quick      a seconds-long smoke run (tiny model)
+#include <algorithm>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "bench_util.h"
+#include "config.h"
+
+ABSL_FLAG(int, steps, 8, "steps per run, including the untimed warm-up steps");
+ABSL_FLAG(int, warmup_steps, 2, "untimed first steps of each run");
+ABSL_FLAG(std::string, world_sizes, "1,2", "comma-separated world sizes");
+ABSL_FLAG(bool, quick, false, "tiny model, 3 steps: checks the program works, measures nothing");
+ABSL_FLAG(bool, cpu_only, false, "skip the CUDA rows even where GPUs are present");
+ABSL_FLAG(std::string, trainer, "", "fsdp_train to run (default: the one built with this program)");
+ABSL_FLAG(std::string, python, "", "Python with torch (default: the build's FSDP2CPP_PYTHON)");
+ABSL_FLAG(std::string, script, "", "fsdp2_bench.py (default: the source tree's)");
+
+namespace {
+
+struct Model {
+  std::string name;
+  bench::TrainShape shape;
+};
+
+bench::TrainShape make_shape(int64_t layers, int64_t dim, int64_t seq_len, int64_t batch) {
+  bench::TrainShape s;
+  s.layers = layers;
+  s.dim = dim;
+  s.heads = 4;
+  s.seq_len = seq_len;
+  s.global_batch = batch;
+  s.clip = 0;
+  return s;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("step time: unsharded LibTorch vs fsdp2cpp vs PyTorch FSDP2 (see docs/benchmarks.md)");
+  const std::vector<std::string> args = fsdp_train::normalize_flag_names(argc, argv);
+  std::vector<char*> cargs;
+  for (const auto& a : args) cargs.push_back(const_cast<char*>(a.c_str()));
+  absl::ParseCommandLine(static_cast<int>(cargs.size()), cargs.data());
+
+  bench::Programs programs = bench::default_programs();
+  if (!absl::GetFlag(FLAGS_trainer).empty()) programs.trainer = absl::GetFlag(FLAGS_trainer);
+  if (!absl::GetFlag(FLAGS_python).empty()) programs.python = absl::GetFlag(FLAGS_python);
+  if (!absl::GetFlag(FLAGS_script).empty()) programs.script = absl::GetFlag(FLAGS_script);
+
+  const bool quick = absl::GetFlag(FLAGS_quick);
+  std::vector<int> world_sizes;
+  for (const auto& part : absl::StrSplit(absl::GetFlag(FLAGS_world_sizes), ',', absl::SkipEmpty())) {
+    int n = 0;
+    if (!absl::SimpleAtoi(part, &n) || n < 1 || 8 % n != 0) {
+      std::fprintf(stderr, "fsdp_speed_bench: --world-sizes takes divisors of the global batch 8 (got '%s')\n",
+                   std::string(part).c_str());
+      return 2;
+    }
+    world_sizes.push_back(n);
+  }
+  bench::RunOptions options;
+  options.steps = quick ? 3 : absl::GetFlag(FLAGS_steps);
+  options.warmup_steps = quick ? 1 : absl::GetFlag(FLAGS_warmup_steps);
+  if (world_sizes.empty() || options.warmup_steps < 0 || options.steps <= options.warmup_steps) {
+    std::fprintf(stderr, "fsdp_speed_bench: need a world size and --steps > --warmup-steps >= 0\n");
+    return 2;
+  }
+  const std::vector<Model> models =
+      quick ? std::vector<Model>{{"2 blocks, dim 32, seq 16, batch 8", make_shape(2, 32, 16, 8)}}
+            : std::vector<Model>{{"16 blocks, dim 64, seq 32, batch 8", make_shape(16, 64, 32, 8)},
+                                 {"4 blocks, dim 256, seq 128, batch 8", make_shape(4, 256, 128, 8)}};
+
+  std::vector<std::string> devices = {"cpu"};
+  int max_world = 1;
+  for (int n : world_sizes) max_world = std::max(max_world, n);
+  const bool cuda = !absl::GetFlag(FLAGS_cpu_only) && bench::have_cuda_devices(max_world);
+  if (cuda) devices.push_back("cuda");
+
+  std::printf(
+      "fsdp_speed_bench: median step time over steps %d..%d (slowest rank), 1 intra-op thread per rank, fp32, "
+      "AdamW, no clipping%s\n",
+      options.warmup_steps + 1, options.steps, quick ? " (--quick: measures nothing)" : "");
+  std::printf("%-6s %-36s %3s %10s %10s %10s %6s %6s %8s %8s %8s\n", "device", "model", "ws", "(a) ms", "(b) ms",
+              "(c) ms", "b/a", "b/c", "a MiB", "b MiB", "c MiB");
+  for (const std::string& device : devices) {
+    options.device = device;
+    for (const Model& model : models) {
+      for (const int n : world_sizes) {
+        bench::TrainShape per_rank = model.shape;
+        per_rank.global_batch = model.shape.global_batch / n;
+        bench::RunOptions unsharded = options;
+        unsharded.nproc = 1;
+        unsharded.no_shard = true;
+        bench::RunOptions sharded = options;
+        sharded.nproc = n;
+        const bench::Measured a = bench::run_fsdp_train(programs, per_rank, unsharded);
+        const bench::Measured b = bench::run_fsdp_train(programs, model.shape, sharded);
+        const bench::Measured c = bench::run_pytorch_fsdp2(programs, model.shape, sharded);
+        for (const bench::Measured* m : {&a, &b, &c}) {
+          if (!m->ok) {
+            std::fprintf(stderr, "fsdp_speed_bench: %s\n", m->error.c_str());
+            return 1;
+          }
+        }
+        std::printf("%-6s %-36s %3d %10.2f %10.2f %10.2f %6.2f %6.2f %8s %8s %8s\n", device.c_str(), model.name.c_str(),
+                    n, 1e3 * a.median_step_s, 1e3 * b.median_step_s, 1e3 * c.median_step_s,
+                    b.median_step_s / a.median_step_s, b.median_step_s / c.median_step_s,
+                    bench::mib(a.peak_bytes).c_str(), bench::mib(b.peak_bytes).c_str(),
+                    bench::mib(c.peak_bytes).c_str());
+        std::fflush(stdout);
+      }
+    }
+  }
+  if (!cuda) {
+    std::printf("cuda rows skipped: %s\n",
+                absl::GetFlag(FLAGS_cpu_only) ? "--cpu-only" : "fewer GPUs than the largest world size");
+  }
+  std::printf(
+      "(a) unsharded LibTorch (fsdp_train --no-shard) on the per-rank batch (global / ws), one rank; (b) fsdp2cpp "
+      "(fsdp_train --nproc ws); (c) PyTorch FSDP2 (fsdp2_bench.py, same model). Peak MiB per rank: max RSS on cpu, "
+      "caching-allocator peak on cuda. Goals (issue 13): b/a <= 1.02 at ws 1; b/c <= 0.45 for the 16-block model "
+      "at ws 2.\n");
+  return 0;
+}
