@@ -40,6 +40,20 @@ if(NOT FSDP2CPP_TORCH_ROOT)
   set(FSDP2CPP_TORCH_CXX11_ABI "${FSDP2CPP_TORCH_CXX11_ABI}" CACHE STRING "torch's _GLIBCXX_USE_CXX11_ABI")
   message(STATUS "fsdp2cpp: torch ${FSDP2CPP_TORCH_VERSION} at ${FSDP2CPP_TORCH_ROOT}")
 endif()
+# The Python whose torch the build uses, for the tests and benchmarks that run
+# PyTorch itself (interop checks, PyTorch FSDP2 baselines): FSDP2CPP_PYTHON
+# when this configure run was given it or found it, else the venv that holds
+# FSDP2CPP_TORCH_ROOT (<venv>/lib/python3.X/site-packages/torch).
+if(NOT FSDP2CPP_PYTHON_EXECUTABLE)
+  if(FSDP2CPP_PYTHON)
+    set(_fsdp2cpp_python "${FSDP2CPP_PYTHON}")
+  else()
+    get_filename_component(_fsdp2cpp_venv "${FSDP2CPP_TORCH_ROOT}/../../../.." ABSOLUTE)
+    set(_fsdp2cpp_python "${_fsdp2cpp_venv}/bin/python")
+  endif()
+  set(FSDP2CPP_PYTHON_EXECUTABLE "${_fsdp2cpp_python}" CACHE FILEPATH
+      "Python with the torch the build uses (interop tests, PyTorch baselines)")
+endif()
 if(NOT DEFINED FSDP2CPP_TORCH_CXX11_ABI)
   set(FSDP2CPP_TORCH_CXX11_ABI 1)
 endif()

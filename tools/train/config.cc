@@ -1,5 +1,7 @@
 #include "config.h"
 
+#include <sys/stat.h>
+
 #include <cctype>
 #include <string>
 
@@ -81,6 +83,23 @@ absl::Status validate(const TrainConfig& c, int64_t world_size) {
   if (auto mesh = parse_mesh(c.mesh, world_size); !mesh.ok()) return mesh.status();
   if (auto d = parse_dtype("param-dtype", c.param_dtype); !d.ok()) return d.status();
   if (auto d = parse_dtype("reduce-dtype", c.reduce_dtype); !d.ok()) return d.status();
+  if (c.resume && c.save_dir.empty()) {
+    return flag_error("--resume needs --save-dir (the directory whose newest checkpoint to continue from)");
+  }
+  if (c.save_every != 0 && c.save_dir.empty()) {
+    return flag_error(absl::StrCat("--save-every needs --save-dir (got --save-every ", c.save_every, ")"));
+  }
+  if (c.save_every < 0) return flag_error(absl::StrCat("--save-every must be >= 0 (got ", c.save_every, ")"));
+  if (c.keep < 0) return flag_error(absl::StrCat("--keep must be >= 0 (0 keeps every checkpoint; got ", c.keep, ")"));
+  if (c.stop_after < 0 || c.stop_after > c.steps) {
+    return flag_error(absl::StrCat("--stop-after must be between 1 and --steps (", c.steps, "); got ", c.stop_after));
+  }
+  struct stat st {};
+  if (!c.init_from.empty() && !(::stat(c.init_from.c_str(), &st) == 0 && S_ISDIR(st.st_mode))) {
+    return flag_error(absl::StrCat("--init-from: '", c.init_from,
+                                   "' is not a directory (a Hugging Face export, a checkpoint step-N, or a "
+                                   "--save-dir)"));
+  }
   if (c.no_shard) {
     if (world_size != 1) {
       return flag_error(absl::StrCat("--no-shard trains the unsharded model on one rank (got ", world_size,

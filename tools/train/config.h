@@ -63,6 +63,24 @@ struct TrainConfig {
   // The same model and loop without fully_shard, on one rank: the unsharded
   // LibTorch baseline of the benchmarks (tools/bench).
   bool no_shard = false;
+  // Checkpoints (docs/checkpoints.md). With save_dir, a checkpoint
+  // save_dir/step-N is written every save_every steps (0: only after the
+  // last step) and after the last step of the run; keep > 0 keeps the newest
+  // that many.
+  std::string save_dir;
+  int64_t save_every = 0;
+  int64_t keep = 0;
+  // Continue from the newest complete checkpoint in save_dir (a first run
+  // when there is none), at any world size or mesh.
+  bool resume = false;
+  // Write the full model in the Hugging Face layout here after the last step.
+  std::string export_hf;
+  // Start from these weights (a Hugging Face layout, one of our checkpoints,
+  // or a save directory); ignored when --resume finds a checkpoint.
+  std::string init_from;
+  // Stop after this step (0: run to `steps`); the learning-rate schedule
+  // still spans `steps`, so a stopped run can be resumed as if uninterrupted.
+  int64_t stop_after = 0;
 };
 
 // The mesh of --mesh: `replicate` x `shard` ranks.

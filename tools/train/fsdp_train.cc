@@ -69,6 +69,19 @@ ABSL_FLAG(std::string, reduce_dtype, kDefaults.reduce_dtype, "fp32, bf16 or fp16
 ABSL_FLAG(int64_t, threads, kDefaults.threads, "Intra-op threads per rank; 0: the cores divided among local ranks.");
 ABSL_FLAG(bool, no_shard, kDefaults.no_shard,
           "Train the same model without fully_shard on one rank (the unsharded baseline of the benchmarks).");
+ABSL_FLAG(std::string, save_dir, "",
+          "Write checkpoints to DIR/step-N (sharded safetensors, atomic); see --save-every, --keep, --resume.");
+ABSL_FLAG(int64_t, save_every, 0, "Save a checkpoint every this many steps (0: only after the last step).");
+ABSL_FLAG(int64_t, keep, 0, "Keep only the newest this many checkpoints in --save-dir (0: keep all).");
+ABSL_FLAG(bool, resume, false,
+          "Continue from the newest complete checkpoint in --save-dir (at any --nproc / --mesh); a first run "
+          "when there is none.");
+ABSL_FLAG(std::string, export_hf, "",
+          "After the last step, write the full model to this directory in the Hugging Face safetensors layout.");
+ABSL_FLAG(std::string, init_from, "",
+          "Start from these weights: a Hugging Face export, a checkpoint step-N directory, or a --save-dir.");
+ABSL_FLAG(int64_t, stop_after, 0,
+          "Stop after this step (the schedule still spans --steps), as a preempted run would; 0: run to --steps.");
 
 namespace {
 
@@ -96,6 +109,13 @@ fsdp_train::TrainConfig config_from_flags() {
   c.reduce_dtype = absl::GetFlag(FLAGS_reduce_dtype);
   c.threads = absl::GetFlag(FLAGS_threads);
   c.no_shard = absl::GetFlag(FLAGS_no_shard);
+  c.save_dir = absl::GetFlag(FLAGS_save_dir);
+  c.save_every = absl::GetFlag(FLAGS_save_every);
+  c.keep = absl::GetFlag(FLAGS_keep);
+  c.resume = absl::GetFlag(FLAGS_resume);
+  c.export_hf = absl::GetFlag(FLAGS_export_hf);
+  c.init_from = absl::GetFlag(FLAGS_init_from);
+  c.stop_after = absl::GetFlag(FLAGS_stop_after);
   return c;
 }
 

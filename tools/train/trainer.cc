@@ -27,6 +27,7 @@
 
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "checkpointing.h"
 #include "collectives/communicator.h"
 #include "data.h"
 #include "device_mesh/device_mesh.h"
@@ -198,11 +199,29 @@ void run_training(const TrainConfig& c, const std::shared_ptr<fsdp::collectives:
   for (const auto& p : model->parameters()) local_params += p.numel();
 
   if (rank == 0) print_header(c, mesh, corpus, mc, params, local_params, world_size);
+
+  // Checkpoints: a resumed run continues after the step it was saved at;
+  // the batches and the schedule depend on the step alone, so it trains as
+  // the uninterrupted run would.
+  int64_t first_step = 1;
+  TrainingProgress resumed;
+  if (c.resume) resumed = resume_from_latest(c.save_dir, *model, optim, metrics);
+  if (resumed.step > 0) {
+    first_step = resumed.step + 1;
+  } else if (!c.init_from.empty()) {
+    init_model_from(c.init_from, *model, metrics);
+  }
+  const int64_t last_step = c.stop_after > 0 ? c.stop_after : c.steps;
+  const auto checkpoint_due = [&](int64_t step) {
+    return !c.save_dir.empty() && (step == last_step || (c.save_every > 0 && step % c.save_every == 0));
+  };
+  const std::string mesh_text = mesh.to_string();
+
   Progress progress(c.steps, c.log_every);
   std::vector<StepRecord> records;
   const double tokens_per_step = static_cast<double>(c.global_batch * c.seq_len);
   double step_seconds_total = 0;
-  for (int64_t step = 1; step <= c.steps; ++step) {
+  for (int64_t step = first_step; step <= last_step; ++step) {
     const auto start = Clock::now();
     for (auto& group : optim.param_groups()) {
       static_cast<torch::optim::AdamWOptions&>(group.options()).lr(learning_rate(c, step));
@@ -233,8 +252,25 @@ void run_training(const TrainConfig& c, const std::shared_ptr<fsdp::collectives:
     record.tokens_per_s = tokens_per_step / record.seconds;
     records.push_back(record);
     if (rank == 0) progress.update(record);
+    if (checkpoint_due(step)) {
+      TrainingProgress saved;
+      saved.step = step;
+      saved.world_size = world_size;
+      saved.mesh = mesh_text;
+      saved.samples_seen = step * c.global_batch;
+      save_checkpoint(c.save_dir, c.keep, saved, *model, optim, metrics);
+    }
   }
   if (rank == 0) progress.finish();
+  if (!c.export_hf.empty()) export_model_hf(c.export_hf, *model, metrics);
+  if (records.empty()) {
+    if (rank == 0) {
+      std::printf("nothing to train: the checkpoint is at step %lld of %lld\n", static_cast<long long>(resumed.step),
+                  static_cast<long long>(last_step));
+      std::fflush(stdout);
+    }
+    return;
+  }
 
   // Per-rank summary numbers, gathered (collective: every rank takes part).
   const std::vector<int64_t> peaks = all_gather(*metrics, std::vector<int64_t>{peak_memory_bytes(device)});
@@ -249,17 +285,18 @@ void run_training(const TrainConfig& c, const std::shared_ptr<fsdp::collectives:
       total += times[3 * r + 2] / world_size;
     }
     double timed = 0;
-    for (const auto& r : records) timed += r.step > 1 || records.size() == 1 ? r.seconds : 0.0;
+    for (size_t i = 0; i < records.size(); ++i) timed += i > 0 || records.size() == 1 ? records[i].seconds : 0.0;
     const double timed_steps = records.size() > 1 ? static_cast<double>(records.size() - 1) : 1.0;
     std::vector<std::string> peak_text;
     for (int r = 0; r < world_size; ++r) peak_text.push_back(absl::StrFormat("rank %d %s", r, format_bytes(peaks[r])));
     const double exposed = ag + rs;
     std::printf("summary\n");
     std::printf("  world size    %d, mesh %s\n", world_size, mesh.to_string().c_str());
-    std::printf("  loss          %.4f (step 1) -> %.4f (step %lld)\n", records.front().loss, records.back().loss,
+    std::printf("  loss          %.4f (step %lld) -> %.4f (step %lld)\n", records.front().loss,
+                static_cast<long long>(records.front().step), records.back().loss,
                 static_cast<long long>(records.back().step));
     std::printf("  throughput    %s tokens/s mean%s\n", format_count(tokens_per_step * timed_steps / timed).c_str(),
-                records.size() > 1 ? " (steps 2.., step 1 is warm-up)" : "");
+                records.size() > 1 ? " (the first step of the run is warm-up)" : "");
     std::printf("  step time     %.2f s (mean over ranks)\n", total);
     std::printf("  exposed comm  %.2f s (%.1f%%): all-gather wait %.2f s, reduce-scatter wait %.2f s%s\n", exposed,
                 100.0 * exposed / total, ag, rs,

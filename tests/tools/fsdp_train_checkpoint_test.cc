@@ -1,0 +1,245 @@
+// fsdp_train's checkpoints end to end: a run stopped after 10 of 20 steps and
+// resumed from its checkpoint trains exactly as the uninterrupted run (at
+// the same world size bit for bit, at another one within 1e-5), a process
+// killed in a save leaves the previous checkpoint usable, and the Hugging
+// Face export carries the same weights as the sharded checkpoint.
+#include <ftw.h>
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "run_binary.h"
+
+namespace fsdp_train_test {
+namespace {
+
+// POSIX, not std::filesystem: the torch wheel's libtorch.so exports its own
+// copy of std::filesystem and calls from here would bind to it and crash.
+bool exists(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0;
+}
+
+int64_t file_size(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 ? static_cast<int64_t>(st.st_size) : -1;
+}
+
+constexpr int kSteps = 20;
+constexpr int kStopAfter = 10;
+
+void remove_tree(const std::string& path) {
+  ::nftw(
+      path.c_str(), [](const char* p, const struct stat*, int, FTW*) { return std::remove(p); }, 16,
+      FTW_DEPTH | FTW_PHYS);
+}
+
+// A directory tree removed with everything in it.
+class ScratchTree {
+ public:
+  ScratchTree() {
+    const char* tmp = std::getenv("TMPDIR");
+    std::string pattern = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/fsdp_ckpt_test.XXXXXX";
+    if (::mkdtemp(pattern.data()) != nullptr) path_ = pattern;
+  }
+  ~ScratchTree() {
+    if (!path_.empty()) remove_tree(path_);
+  }
+  ScratchTree(const ScratchTree&) = delete;
+  ScratchTree& operator=(const ScratchTree&) = delete;
+  std::string operator/(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  std::string path_;
+};
+
+// Global batch 6: divisible by world sizes 1, 2 and 3.
+std::vector<std::string> run_flags(const std::string& json, int nproc) {
+  std::vector<std::string> flags = {"--steps",        std::to_string(kSteps),
+                                    "--global-batch", "6",
+                                    "--seq-len",      "32",
+                                    "--layers",       "2",
+                                    "--dim",          "32",
+                                    "--heads",        "4",
+                                    "--seed",         "7",
+                                    "--warmup",       "5",
+                                    "--json",         json};
+  if (nproc > 1) flags.insert(flags.end(), {"--nproc", std::to_string(nproc)});
+  return flags;
+}
+
+TrainRecord train(const std::vector<std::string>& args, const char* what) {
+  const RunResult run = run_program(FSDP_TRAIN_BINARY, args);
+  EXPECT_EQ(run.exit_code, 0) << what << ":\n" << run.output;
+  TrainRecord record;
+  for (size_t i = 0; i + 1 < args.size(); ++i) {
+    if (args[i] == "--json") record = read_train_json(args[i + 1]);
+  }
+  EXPECT_TRUE(record.ok) << what << ": no --json record:\n" << run.output;
+  return record;
+}
+
+std::vector<std::string> with(std::vector<std::string> args, const std::vector<std::string>& more) {
+  args.insert(args.end(), more.begin(), more.end());
+  return args;
+}
+
+// The losses of steps 11..20 of `full` against the resumed run's.
+void expect_tail_matches(const TrainRecord& full, const TrainRecord& resumed, double rtol) {
+  ASSERT_EQ(full.losses.size(), static_cast<size_t>(kSteps));
+  ASSERT_EQ(resumed.losses.size(), static_cast<size_t>(kSteps - kStopAfter));
+  for (size_t i = 0; i < resumed.losses.size(); ++i) {
+    EXPECT_EQ(resumed.steps[i], kStopAfter + 1 + static_cast<int>(i));
+    const double expected = full.losses[kStopAfter + i];
+    if (rtol == 0) {
+      EXPECT_EQ(resumed.losses[i], expected) << "step " << resumed.steps[i];
+    } else {
+      EXPECT_NEAR(resumed.losses[i], expected, rtol * std::abs(expected)) << "step " << resumed.steps[i];
+    }
+  }
+}
+
+TEST(FsdpTrainCheckpoint, ResumeAtTheSameWorldSizeIsBitExact) {
+  ScratchTree dir;
+  const TrainRecord full = train(run_flags(dir / "full.json", 2), "uninterrupted run");
+  const std::string saves = dir / "saves";
+  train(with(run_flags(dir / "first.json", 2),
+             {"--save-dir", saves, "--save-every", "5", "--stop-after", std::to_string(kStopAfter)}),
+        "first half");
+  EXPECT_TRUE(exists(saves + "/step-5/manifest.json"));
+  EXPECT_TRUE(exists(saves + "/step-10/manifest.json"));
+  EXPECT_TRUE(exists(saves + "/step-10/model/shard-00002-model-00001-of-00001.safetensors"));
+  EXPECT_TRUE(exists(saves + "/step-10/optim/shard-00001-model-00001-of-00001.safetensors"));
+  const TrainRecord resumed =
+      train(with(run_flags(dir / "resumed.json", 2), {"--save-dir", saves, "--resume"}), "resumed run");
+  expect_tail_matches(full, resumed, 0.0);
+}
+
+TEST(FsdpTrainCheckpoint, ResumeAtAnotherWorldSizeAndMesh) {
+  ScratchTree dir;
+  const TrainRecord full = train(run_flags(dir / "full.json", 2), "uninterrupted run");
+  const std::string saves = dir / "saves";
+  train(with(run_flags(dir / "first.json", 2), {"--save-dir", saves, "--stop-after", std::to_string(kStopAfter)}),
+        "first half at 2 ranks");
+  // The last step of a run that stops is always saved.
+  ASSERT_TRUE(exists(saves + "/step-10/manifest.json"));
+  const TrainRecord at3 =
+      train(with(run_flags(dir / "three.json", 3), {"--save-dir", saves, "--resume"}), "resumed at 3 ranks");
+  expect_tail_matches(full, at3, 1e-5);
+  // The run at 3 ranks saved its last step; resume at 1 rank from step 10.
+  remove_tree(saves + "/step-20");
+  const TrainRecord at1 =
+      train(with(run_flags(dir / "one.json", 1), {"--save-dir", saves, "--resume"}), "resumed at 1 rank");
+  expect_tail_matches(full, at1, 1e-5);
+}
+
+TEST(FsdpTrainCheckpoint, KeepPrunesOldCheckpointsAndUnfinishedSavesAreIgnored) {
+  ScratchTree dir;
+  const std::string saves = dir / "saves";
+  train(with(run_flags(dir / "a.json", 1),
+             {"--save-dir", saves, "--save-every", "4", "--keep", "2", "--stop-after", "12"}),
+        "saving run");
+  EXPECT_FALSE(exists(saves + "/step-4"));
+  EXPECT_TRUE(exists(saves + "/step-8/manifest.json"));
+  EXPECT_TRUE(exists(saves + "/step-12/manifest.json"));
+  // A save killed before its rename leaves a temporary directory, which a
+  // resume ignores: it continues from step 12.
+  ASSERT_EQ(::mkdir((saves + "/.tmp-step-16").c_str(), 0755), 0);
+  ASSERT_EQ(::mkdir((saves + "/.tmp-step-16/model").c_str(), 0755), 0);
+  std::ofstream(saves + "/.tmp-step-16/model/shard-00001-model-00001-of-00001.safetensors") << "partial";
+  const RunResult run =
+      run_program(FSDP_TRAIN_BINARY, with(run_flags(dir / "b.json", 1), {"--save-dir", saves, "--resume"}));
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_NE(run.output.find("checkpoint  loaded " + saves + "/step-12"), std::string::npos) << run.output;
+  const TrainRecord resumed = read_train_json(dir / "b.json");
+  ASSERT_TRUE(resumed.ok);
+  EXPECT_EQ(resumed.steps.front(), 13);
+}
+
+TEST(FsdpTrainCheckpoint, CorruptCheckpointIsRefusedNamingTheFile) {
+  ScratchTree dir;
+  const std::string saves = dir / "saves";
+  train(with(run_flags(dir / "a.json", 1), {"--save-dir", saves, "--stop-after", "3"}), "saving run");
+  const std::string victim = saves + "/step-3/model/shard-00001-model-00001-of-00001.safetensors";
+  ASSERT_TRUE(exists(victim));
+  {
+    std::fstream f(victim, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(static_cast<std::streamoff>(file_size(victim) - 4));
+    f.write("\x01\x02\x03\x04", 4);
+  }
+  const RunResult run =
+      run_program(FSDP_TRAIN_BINARY, with(run_flags(dir / "b.json", 1), {"--save-dir", saves, "--resume"}));
+  EXPECT_NE(run.exit_code, 0);
+  EXPECT_NE(run.output.find("shard-00001-model-00001-of-00001.safetensors"), std::string::npos) << run.output;
+}
+
+// --export-hf and the sharded checkpoint hold the same weights: runs
+// initialised from either have the same step-1 loss (computed before any
+// update), which differs from a fresh model's.
+TEST(FsdpTrainCheckpoint, ExportAndInitFromAgree) {
+  ScratchTree dir;
+  const std::string saves = dir / "saves", hf = dir / "hf";
+  train(with(run_flags(dir / "a.json", 2), {"--save-dir", saves, "--stop-after", "8", "--export-hf", hf}),
+        "exporting run");
+  ASSERT_TRUE(exists(hf + "/model.safetensors.index.json"));
+  auto first_loss = [&](const std::string& source, int nproc, const char* name) {
+    const TrainRecord r = train(with(run_flags(dir / name, nproc), {"--steps", "1", "--init-from", source}), name);
+    return r.ok ? r.losses.front() : std::nan("");
+  };
+  const double from_hf = first_loss(hf, 3, "hf.json");
+  const double from_sharded = first_loss(saves + "/step-8", 1, "sharded.json");
+  const double from_root = first_loss(saves, 2, "root.json");
+  const TrainRecord fresh = train(with(run_flags(dir / "fresh.json", 1), {"--steps", "1"}), "fresh");
+  EXPECT_NEAR(from_hf, from_sharded, 1e-5 * std::abs(from_sharded));
+  EXPECT_NEAR(from_root, from_sharded, 1e-5 * std::abs(from_sharded));
+  ASSERT_TRUE(fresh.ok);
+  EXPECT_GT(std::abs(fresh.losses.front() - from_sharded), 1e-2) << "the initialised run looks like a fresh model";
+}
+
+// PyTorch reads the trainer's checkpoints with its own readers (the sharded
+// model/ folder with HuggingFaceStorageReader, the export with
+// safetensors.torch.load_file) and they agree bit for bit; a checkpoint
+// PyTorch writes from 3 ranks with HuggingFaceStorageWriter(save_distributed)
+// and the trainer's FQNs starts a 2-rank run with the same weights.
+TEST(FsdpTrainCheckpoint, PyTorchReadsAndWritesTrainerCheckpoints) {
+  ScratchTree dir;
+  const std::string saves = dir / "saves", hf = dir / "hf", written_by_pytorch = dir / "pytorch";
+  train(with(run_flags(dir / "a.json", 2), {"--save-dir", saves, "--stop-after", "6", "--export-hf", hf}),
+        "exporting run");
+  const RunResult compared =
+      run_program(FSDP2CPP_TEST_PYTHON, {FSDP_TRAIN_INTEROP_PY, "compare", saves + "/step-6/model", hf});
+  ASSERT_EQ(compared.exit_code, 0) << compared.output;
+  const RunResult rewritten =
+      run_program(FSDP2CPP_TEST_PYTHON, {FSDP_TRAIN_INTEROP_PY, "rewrite", hf, written_by_pytorch, "3"});
+  ASSERT_EQ(rewritten.exit_code, 0) << rewritten.output;
+  ASSERT_TRUE(exists(written_by_pytorch + "/shard-00003-model-00001-of-00001.safetensors")) << rewritten.output;
+  const TrainRecord from_pytorch =
+      train(with(run_flags(dir / "pt.json", 2), {"--steps", "1", "--init-from", written_by_pytorch}), "from PyTorch");
+  const TrainRecord from_export =
+      train(with(run_flags(dir / "hf.json", 1), {"--steps", "1", "--init-from", hf}), "from the export");
+  ASSERT_TRUE(from_pytorch.ok && from_export.ok);
+  EXPECT_NEAR(from_pytorch.losses.front(), from_export.losses.front(), 1e-5 * std::abs(from_export.losses.front()));
+}
+
+TEST(FsdpTrainCheckpoint, FlagErrors) {
+  ScratchTree dir;
+  const auto expect_error = [&](const std::vector<std::string>& more, const std::string& fragment) {
+    const RunResult run = run_program(FSDP_TRAIN_BINARY, with(run_flags(dir / "e.json", 1), more));
+    EXPECT_EQ(run.exit_code, 2) << run.output;
+    EXPECT_NE(run.output.find(fragment), std::string::npos) << run.output;
+  };
+  expect_error({"--resume"}, "--resume needs --save-dir");
+  expect_error({"--save-every", "5"}, "--save-every needs --save-dir");
+  expect_error({"--save-dir", dir / "s", "--keep", "-1"}, "--keep");
+  expect_error({"--init-from", dir / "missing"}, "--init-from");
+  expect_error({"--stop-after", "99"}, "--stop-after must be between 1 and --steps");
+}
+
+}  // namespace
+}  // namespace fsdp_train_test
