@@ -122,7 +122,7 @@ CheckpointWriter::CheckpointWriter(std::string root, int64_t step, std::shared_p
 std::string CheckpointWriter::subdir(const std::string& name) const {
   TORCH_CHECK(detail::is_plain_relative_path(name), "checkpoint: subdir('", name,
               "'): not a relative path of plain names");
-  const std::string path = detail::join_path(temp_dir_, name);
+  std::string path = detail::join_path(temp_dir_, name);
   detail::make_dirs(path);
   return path;
 }

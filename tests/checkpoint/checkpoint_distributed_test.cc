@@ -107,6 +107,27 @@ TEST(CheckpointResharding, HsdpTwoByTwoWritesReplicaZeroAndLoadsAtThree) {
   load_and_check(model, 3);
 }
 
+TEST(CheckpointResharding, ColumnShardedPiecesLoadIntoOtherColumnShards) {
+  // Shard(1): the overlap of a saved piece and a target is a block of
+  // columns, read row-wise and narrowed (the staging path of the loader).
+  ckpt_test::SharedDir dir;
+  const std::vector<Placement> shard1 = {Placement::shard(1)};
+  const at::Tensor full = ckpt_test::formula({4, 11}, at::kFloat, 21);
+  fsdp::testing::run_distributed(3, [&](RankContext& ctx) {
+    fsdp::StateDict sd;
+    sd.insert("w", fsdp::distribute_tensor(full, ctx.mesh(), shard1));
+    ckpt::save_sharded(sd, dir.path(), ctx.rank());
+  });
+  fsdp::testing::run_distributed(2, [&](RankContext& ctx) {
+    auto target = fsdp::distribute_tensor(at::zeros({4, 11}), ctx.mesh(), shard1);
+    fsdp::StateDict sd;
+    sd.insert("w", target);
+    ckpt::load_sharded(sd, dir.path());
+    const int64_t c0 = ctx.rank() * 6;
+    EXPECT_TRUE(target.to_local().equal(full.narrow(1, c0, std::min<int64_t>(6, 11 - c0)))) << target.to_local();
+  });
+}
+
 TEST(CheckpointTied, TiedValuesAreWrittenOnceAndLoadUnderBothKeys) {
   ckpt_test::SharedDir root;
   fsdp::testing::run_distributed(3, [&](RankContext& ctx) {

@@ -126,8 +126,12 @@ inline bool path_exists(const std::string& path) {
 
 inline void remove_tree(const std::string& path) {
   ::nftw(
-      path.c_str(), [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p) == 0 ? 0 : 0; }, 16,
-      FTW_DEPTH | FTW_PHYS);
+      path.c_str(),
+      [](const char* p, const struct stat*, int, struct FTW*) {
+        ::remove(p);  // best effort: keep walking
+        return 0;
+      },
+      16, FTW_DEPTH | FTW_PHYS);
 }
 
 // A directory the parent creates and the rank processes find through the

@@ -78,8 +78,12 @@ void drop_cache_tree(const std::string& dir) {
 
 void remove_tree(const std::string& dir) {
   ::nftw(
-      dir.c_str(), [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p) == 0 ? 0 : 0; }, 16,
-      FTW_DEPTH | FTW_PHYS);
+      dir.c_str(),
+      [](const char* p, const struct stat*, int, struct FTW*) {
+        ::remove(p);  // best effort: keep walking
+        return 0;
+      },
+      16, FTW_DEPTH | FTW_PHYS);
 }
 
 // Seconds of `fn` on the slowest rank, all ranks starting together.
