@@ -11,7 +11,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -167,6 +169,35 @@ void poll_streams(std::vector<OutputStream>& streams, int timeout_ms) {
   }
 }
 
+// The stop signal the launcher received (SIGINT, SIGTERM, SIGHUP), or 0.
+volatile std::sig_atomic_t g_stop_signal = 0;
+
+extern "C" void record_stop_signal(int sig) { g_stop_signal = sig; }
+
+// While the ranks run, a stop signal to the launcher is passed on to them
+// (as torchrun does) instead of killing the launcher, which would leave the
+// ranks to PR_SET_PDEATHSIG's SIGKILL with no chance to clean up. The
+// previous handlers come back when the ranks are gone.
+class ForwardStopSignals {
+ public:
+  ForwardStopSignals() {
+    g_stop_signal = 0;
+    struct sigaction action {};
+    action.sa_handler = record_stop_signal;
+    sigemptyset(&action.sa_mask);
+    for (size_t i = 0; i < kSignals.size(); ++i) ::sigaction(kSignals[i], &action, &previous_[i]);
+  }
+  ~ForwardStopSignals() {
+    for (size_t i = 0; i < kSignals.size(); ++i) ::sigaction(kSignals[i], &previous_[i], nullptr);
+  }
+  ForwardStopSignals(const ForwardStopSignals&) = delete;
+  ForwardStopSignals& operator=(const ForwardStopSignals&) = delete;
+
+ private:
+  static constexpr std::array<int, 3> kSignals = {SIGINT, SIGTERM, SIGHUP};
+  std::array<struct sigaction, 3> previous_{};
+};
+
 bool parse_positive_int(const std::string& text, int* out) {
   if (text.empty() || text.size() > 9) return false;
   for (char c : text) {
@@ -232,6 +263,7 @@ int launch_local_ranks(const LaunchOptions& options) {
   std::fflush(stdout);
   std::fflush(stderr);
 
+  const ForwardStopSignals forward_stop_signals;
   std::map<pid_t, int> running;  // pid -> rank
   std::vector<OutputStream> streams;
   int first_failure = 0;
@@ -274,9 +306,16 @@ int launch_local_ranks(const LaunchOptions& options) {
   };
   if (first_failure != 0) kill_all(SIGTERM);
   auto deadline = std::chrono::steady_clock::now() + options.grace_period;
-  bool killed = false;
+  bool killed = false, stopping = false;
   while (!running.empty()) {
     poll_streams(streams, 20);
+    if (const int sig = g_stop_signal; sig != 0 && !stopping) {
+      stopping = true;
+      std::fprintf(stderr, "%s: got signal %d (%s); stopping the ranks\n", name, sig, strsignal(sig));
+      if (first_failure == 0) first_failure = 128 + sig;
+      kill_all(sig);
+      deadline = std::chrono::steady_clock::now() + options.grace_period;
+    }
     int status = 0;
     const pid_t pid = ::waitpid(-1, &status, WNOHANG);
     if (pid < 0) {

@@ -3,8 +3,14 @@
 // exit status of a failing or killed rank with the others stopped, the flag
 // errors of fsdprun, and maybe_launch_local driven by --nproc and by
 // FSDP2CPP_NPROC.
+#include <fcntl.h>
 #include <signal.h>
+#include <spawn.h>
 #include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
 
 #include <regex>
 #include <set>
@@ -152,6 +158,48 @@ TEST(LaunchLocalRanks, RankThatIgnoresSigtermIsKilledAfterTheGracePeriod) {
   // 5 s of grace, then SIGKILL: well before the 20 s sleep ends.
   EXPECT_GT(r.seconds, 4.5) << describe(r);
   EXPECT_LT(r.seconds, 15.0) << describe(r);
+}
+
+// SIGTERM to fsdprun reaches the ranks (they stop at once instead of
+// sleeping 60 s) and fsdprun exits with 128 + SIGTERM.
+TEST(LaunchLocalRanks, StopSignalToTheLauncherIsPassedOnToTheRanks) {
+  int out_fds[2], err_fds[2];
+  ASSERT_EQ(::pipe2(out_fds, O_CLOEXEC), 0);
+  ASSERT_EQ(::pipe2(err_fds, O_CLOEXEC), 0);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, out_fds[1], STDOUT_FILENO);
+  posix_spawn_file_actions_adddup2(&actions, err_fds[1], STDERR_FILENO);
+  std::vector<std::string> args = {kFsdprun, "--nproc", "2", "--", kProbe, "exit", "99", "0"};
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t pid = -1;
+  ASSERT_EQ(::posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ), 0);
+  posix_spawn_file_actions_destroy(&actions);
+  ::close(out_fds[1]);
+  ::close(err_fds[1]);
+  const auto start = std::chrono::steady_clock::now();
+  // Both ranks are up once both said so.
+  std::string out;
+  char buffer[256];
+  while (out.find("[rank0] waiting") == std::string::npos || out.find("[rank1] waiting") == std::string::npos) {
+    const ssize_t n = ::read(out_fds[0], buffer, sizeof(buffer));
+    ASSERT_GT(n, 0) << out;
+    out.append(buffer, static_cast<size_t>(n));
+  }
+  ASSERT_EQ(::kill(pid, SIGTERM), 0);
+  out += fsdp_launch_test::read_all(out_fds[0]);
+  const std::string err = fsdp_launch_test::read_all(err_fds[0]);
+  ::close(out_fds[0]);
+  ::close(err_fds[0]);
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_TRUE(WIFEXITED(status)) << "fsdprun itself was killed\n" << out << err;
+  EXPECT_EQ(WEXITSTATUS(status), 128 + SIGTERM) << out << err;
+  EXPECT_LT(seconds, 30.0) << out << err;
+  EXPECT_NE(err.find("fsdprun: got signal 15 (Terminated); stopping the ranks"), std::string::npos) << err;
 }
 
 TEST(MaybeLaunchLocal, NprocFlagStartsRanksOfThisProgramWithoutTheFlag) {

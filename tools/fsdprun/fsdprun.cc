@@ -23,7 +23,8 @@ constexpr char kUsage[] =
     "                WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT)\n"
     "  --mesh RxS    R replicas x S shards (HSDP); R*S must be N; passed as FSDP2CPP_MESH=RxS\n"
     "  --no-prefix   do not prefix the ranks' output lines with [rankN]\n"
-    "A failing rank stops the others; fsdprun exits with its status (128 + signal if killed).\n";
+    "A failing rank stops the others; fsdprun exits with its status (128 + signal if killed).\n"
+    "SIGINT, SIGTERM and SIGHUP sent to fsdprun are passed on to the ranks.\n";
 
 int usage_error(const std::string& message) {
   std::fprintf(stderr, "fsdprun: %s\n%s", message.c_str(), kUsage);

@@ -24,7 +24,9 @@
 // whole. When a rank fails, the others get SIGTERM (SIGKILL after a grace
 // period) and the launcher returns the failed rank's exit status (128 +
 // signal for a rank killed by a signal), so a crash never leaves peers
-// waiting in a collective. Ranks die with the launcher (PR_SET_PDEATHSIG).
+// waiting in a collective. SIGINT, SIGTERM or SIGHUP sent to the launcher
+// is passed on to the ranks (as torchrun does), and the launcher then
+// returns 128 + that signal. Ranks die with the launcher (PR_SET_PDEATHSIG).
 //
 // Linux only (fork/exec, /proc/self/exe). Not thread-safe: launch from the
 // main thread before other threads exist.
@@ -64,9 +66,10 @@ struct LaunchOptions {
 
 // Starts `options.nproc` ranks and waits for all of them. Returns 0 when all
 // exited with 0, else the first failure's exit status (128 + signal for a
-// rank killed by a signal); 127 when the program cannot be found or run, 2
-// for bad options (nproc < 1), each with a message on stderr naming the
-// cause.
+// rank killed by a signal, or for a stop signal the launcher passed on);
+// 127 when the program cannot be found or run, 2 for bad options
+// (nproc < 1), each with a message on stderr naming the cause. Replaces the
+// handlers of SIGINT, SIGTERM and SIGHUP while the ranks run.
 int launch_local_ranks(const LaunchOptions& options);
 
 // The trainer's form: `nproc` ranks of this program with `args`, their output
