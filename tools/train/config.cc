@@ -9,6 +9,7 @@
 #include "absl/flags/reflection.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "profile.h"
 
 namespace fsdp_train {
 
@@ -81,6 +82,13 @@ absl::Status validate(const TrainConfig& c, int64_t world_size) {
   if (auto mesh = parse_mesh(c.mesh, world_size); !mesh.ok()) return mesh.status();
   if (auto d = parse_dtype("param-dtype", c.param_dtype); !d.ok()) return d.status();
   if (auto d = parse_dtype("reduce-dtype", c.reduce_dtype); !d.ok()) return d.status();
+  if (c.profile_dir.empty() && !c.profile_steps.empty()) {
+    return flag_error(
+        absl::StrCat("--profile-steps ", c.profile_steps, " needs --profile DIR (where to write the trace)"));
+  }
+  if (!c.profile_dir.empty()) {
+    if (auto s = parse_profile_steps(c.profile_steps, c.steps); !s.ok()) return s.status();
+  }
   return absl::OkStatus();
 }
 

@@ -60,6 +60,10 @@ struct TrainConfig {
   std::string reduce_dtype = "fp32";
   // Intra-op threads per rank; 0: the machine's cores divided among the local ranks.
   int64_t threads = 0;
+  // --profile: write a Kineto trace (Chrome trace JSON) per rank into this
+  // directory; empty: no profiling. --profile-steps "A:B" (profile.h).
+  std::string profile_dir;
+  std::string profile_steps;
 };
 
 // The mesh of --mesh: `replicate` x `shard` ranks.

@@ -32,6 +32,7 @@
 #include "fsdp2/module_call.h"
 #include "fsdp_common/config.h"
 #include "model.h"
+#include "profile.h"
 #include "report.h"
 
 #if FSDP2CPP_WITH_CUDA
@@ -193,7 +194,10 @@ void run_training(const TrainConfig& c, const std::shared_ptr<fsdp::collectives:
   std::vector<StepRecord> records;
   const double tokens_per_step = static_cast<double>(c.global_batch * c.seq_len);
   double step_seconds_total = 0;
+  // --profile (profile.h): a Kineto trace of the steps of --profile-steps.
+  StepProfiler profiler(c, rank, device);
   for (int64_t step = 1; step <= c.steps; ++step) {
+    profiler.begin_step(step);
     const auto start = Clock::now();
     for (auto& group : optim.param_groups()) {
       static_cast<torch::optim::AdamWOptions&>(group.options()).lr(learning_rate(c, step));
@@ -223,8 +227,10 @@ void run_training(const TrainConfig& c, const std::shared_ptr<fsdp::collectives:
     record.tokens_per_s = tokens_per_step / record.seconds;
     records.push_back(record);
     if (rank == 0) progress.update(record);
+    profiler.end_step(step);
   }
   if (rank == 0) progress.finish();
+  if (rank == 0 && profiler.written()) std::printf("  profile       %s\n", profiler.describe().c_str());
 
   // Per-rank summary numbers, gathered (collective: every rank takes part).
   const std::vector<int64_t> peaks = all_gather(*metrics, std::vector<int64_t>{peak_memory_bytes(device)});
