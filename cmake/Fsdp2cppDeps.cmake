@@ -9,8 +9,9 @@
 # find_path(gloo) take the unpacked copies over any system ones. Their CMake
 # files compute their prefix from their own location, so the /usr paths
 # written in them do not apply there; the unpacked shared libraries (Abseil,
-# spdlog, fmt) are found at run time through the build's RUNPATH and, once
-# installed, through the install RUNPATH (CMAKE_INSTALL_RPATH_USE_LINK_PATH).
+# spdlog, fmt), and their own dependencies, are found at run time through the
+# build's RPATH and, once installed, through the install RPATH
+# (CMAKE_INSTALL_RPATH_USE_LINK_PATH).
 include_guard(GLOBAL)
 
 if(NOT DEFINED FSDP2CPP_DEPS_PREFIX AND DEFINED ENV{FSDP2CPP_DEPS_DIR})
@@ -32,5 +33,10 @@ if(FSDP2CPP_DEPS_PREFIX)
   # the packages' CMake files; find_path in <prefix>/include.
   list(PREPEND CMAKE_PREFIX_PATH "${FSDP2CPP_DEPS_PREFIX}")
   set(CMAKE_INSTALL_RPATH_USE_LINK_PATH ON)
+  # DT_RPATH, not DT_RUNPATH: a RUNPATH only serves an object's own NEEDED
+  # entries, so libabsl_strings.so's libabsl_strings_internal.so and
+  # libspdlog.so's libfmt.so would be looked for in the system directories
+  # only. A program's RPATH also serves the libraries it loads.
+  add_link_options("LINKER:--disable-new-dtags")
   message(STATUS "fsdp2cpp: Debian packages from ${FSDP2CPP_DEPS_PREFIX}")
 endif()

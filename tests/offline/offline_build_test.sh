@@ -65,9 +65,13 @@ for pkg in absl spdlog fmt gtest gmock gloo nlohmann; do
 done
 
 for bin in "$(find "$build" -name 'libfsdp2cpp_common.so' | head -1)" "$probe/probe"; do
-  spdlog=$(ldd "$bin" | awk '/libspdlog/ {print $3}')
-  [[ "$spdlog" == "$prefix"/* ]] || fail "$bin loads spdlog from '$spdlog', not from $prefix"
-  echo "offline test: $(basename "$bin") loads $spdlog"
+  # Also the libraries these load in turn (libabsl_strings_internal for
+  # libabsl_strings, libfmt for libspdlog): the system's copies must not be used.
+  loaded=$(ldd "$bin" | awk '/lib(absl|spdlog|fmt)/ {print $3}')
+  grep -q libspdlog <<<"$loaded" || fail "$bin does not load spdlog"
+  outside=$(grep -v "^$prefix/" <<<"$loaded" || true)
+  [[ -z "$outside" ]] || fail "$bin loads these from outside $prefix: $outside"
+  echo "offline test: $(basename "$bin") loads $(wc -l <<<"$loaded") Abseil/spdlog/fmt libraries, all from $prefix"
 done
 "$probe/probe" --gtest_brief=1 || fail "the probe built offline failed"
 echo "offline test: PASS in $((SECONDS - start)) s (.deb folder $((size_kib / 1024)) MiB)"
