@@ -6,8 +6,8 @@
 #include <gloo/common/error.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
+#include <nlohmann/json.hpp>
 
 TEST(OfflineProbe, EveryPackageWorks) {
   EXPECT_EQ(absl::StrCat("rank", 3), "rank3");
