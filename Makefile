@@ -9,7 +9,7 @@ CMAKE_ARGS ?=
 export CCACHE_BASEDIR := $(CURDIR)
 export CCACHE_NOHASHDIR := 1
 
-.PHONY: all bootstrap configure build test demo format lint tidy clean
+.PHONY: all bootstrap configure build test demo format lint tidy clean sanitize gpu-check
 
 all: build
 
@@ -31,6 +31,36 @@ test: build
 
 demo: build
 	$(BUILD)/tools/train/fsdp_train --nproc 2
+
+# The unit and distributed tests built with AddressSanitizer and
+# UndefinedBehaviorSanitizer in their own build directory (docs/build.md,
+# "Sanitizers"). LibTorch is not instrumented; SANITIZE_ASAN_OPTIONS are
+# precautions for that (docs/build.md says which were shown to be needed):
+#   detect_leaks=0         LibTorch allocations still live at exit are not
+#                          ours to report (set detect_leaks=1 to look anyway);
+#   protect_shadow_gap=0   the CUDA driver maps memory where ASan's shadow
+#                          gap is (only matters on a machine with a GPU);
+#   alloc_dealloc_mismatch=0  memory allocated and freed on different sides
+#                          of the instrumented/uninstrumented boundary.
+# UBSan stops at the first report (-fno-sanitize-recover), so a finding fails
+# the test that triggered it. The build runs with the same options because
+# gtest_discover_tests runs every test binary once to list its tests.
+SANITIZE_BUILD  ?= build-sanitize
+SANITIZE_FLAGS  ?= -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
+SANITIZE_LABELS ?= unit|distributed
+SANITIZE_ASAN_OPTIONS ?= detect_leaks=0:protect_shadow_gap=0:alloc_dealloc_mismatch=0
+SANITIZE_ENV = ASAN_OPTIONS=$(SANITIZE_ASAN_OPTIONS) UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+sanitize:
+	@$(MAKE) --no-print-directory bootstrap
+	cmake -S . -B $(SANITIZE_BUILD) $(CMAKE_ARGS) "-DCMAKE_CXX_FLAGS=$(SANITIZE_FLAGS)" \
+	  "-DCMAKE_EXE_LINKER_FLAGS=$(SANITIZE_FLAGS)" "-DCMAKE_SHARED_LINKER_FLAGS=$(SANITIZE_FLAGS)"
+	$(SANITIZE_ENV) cmake --build $(SANITIZE_BUILD) -j $(JOBS)
+	$(SANITIZE_ENV) ctest --test-dir $(SANITIZE_BUILD) -L '$(SANITIZE_LABELS)' --output-on-failure -j $(CTEST_JOBS)
+
+# Builds with CUDA on, runs the `gpu` tests and the GPU benchmarks, prints one
+# report (scripts/gpu_check.sh, docs/gpu.md). Fails clearly without a GPU.
+gpu-check:
+	@scripts/gpu_check.sh
 
 FORMAT_FILES = $(shell git ls-files '*.h' '*.cc' '*.cpp')
 format:

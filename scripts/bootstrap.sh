@@ -8,6 +8,12 @@
 # On a machine without package access that already has torch 2.11 (our GPU
 # machines), it uses that torch and installs nothing: set FSDP2CPP_PYTHON to
 # its python, or let the script find `python3` with torch importable.
+#
+# Offline: FSDP2CPP_DEBS=DIR names a folder made by scripts/fetch_debs.sh on
+# a networked machine. The .debs are unpacked (dpkg -x) into the project-local
+# prefix FSDP2CPP_DEPS_DIR (default .deps/; never into /), which the CMake
+# build then uses (cmake/Fsdp2cppDeps.cmake); nothing is installed with apt or
+# pip. See docs/gpu.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,11 +23,66 @@ APT_PACKAGES=(cmake g++ make ccache libabsl-dev libspdlog-dev libfmt-dev libgtes
 
 say() { echo "bootstrap: $*"; }
 
+# Unpacks every .deb of $FSDP2CPP_DEBS into $1, once per set of files.
+unpack_debs() {
+  local debs=$1 dest=$2 stamp list deb link target member
+  [[ -d "$debs" ]] || { say "FSDP2CPP_DEBS=$debs is not a directory"; exit 1; }
+  compgen -G "$debs/*.deb" >/dev/null || { say "FSDP2CPP_DEBS=$debs holds no .deb files (scripts/fetch_debs.sh makes them)"; exit 1; }
+  list=$(cd "$debs" && ls -l --time-style=+%s ./*.deb | awk '{print $5, $6, $7}')
+  stamp="$dest/.fsdp2cpp-debs"
+  if [[ -f "$stamp" && "$(cat "$stamp")" == "$list" ]]; then
+    say "Debian packages from $debs already unpacked in $dest"
+    return
+  fi
+  # Only a folder this script made (or an empty one) is replaced.
+  if [[ -e "$dest" && ! -f "$stamp" && -n "$(ls -A "$dest" 2>/dev/null)" ]]; then
+    say "$dest exists and was not made by bootstrap.sh; set FSDP2CPP_DEPS_DIR to another path"; exit 1
+  fi
+  rm -rf "$dest"
+  mkdir -p "$dest"
+  for deb in "$debs"/*.deb; do
+    if command -v dpkg-deb >/dev/null; then
+      dpkg-deb -x "$deb" "$dest"
+    else  # a .deb is an ar archive holding data.tar.{xz,zst,gz}
+      member=$(ar t "$deb" | grep '^data\.tar')
+      (cd "$dest" && ar x "$deb" "$member" && tar -xf "$member" && rm -f "$member")
+    fi
+  done
+  # Absolute links (/usr/lib/...) would point into the system: make them
+  # point into the prefix.
+  while IFS= read -r link; do
+    target=$(readlink "$link")
+    ln -sfn "$dest$target" "$link"
+  done < <(find "$dest" -type l -lname '/*')
+  echo "$list" >"$stamp"
+  say "unpacked $(ls "$debs"/*.deb | wc -l) Debian packages from $debs into $dest"
+}
+
+if [[ -n "${FSDP2CPP_DEBS:-}" ]]; then
+  DEPS_DIR=${FSDP2CPP_DEPS_DIR:-.deps}
+  mkdir -p "$DEPS_DIR"
+  DEPS_DIR=$(cd "$DEPS_DIR" && pwd)
+  unpack_debs "$(cd "$FSDP2CPP_DEBS" 2>/dev/null && pwd || echo "$FSDP2CPP_DEBS")" "$DEPS_DIR"
+  absent=()
+  for h in absl/base/config.h spdlog/spdlog.h fmt/format.h gtest/gtest.h gmock/gmock.h gloo/context.h nlohmann/json.hpp; do
+    [[ -f "$DEPS_DIR/usr/include/$h" ]] || absent+=("$h")
+  done
+  ((${#absent[@]} == 0)) || { say "the unpacked packages lack ${absent[*]}; rerun scripts/fetch_debs.sh"; exit 1; }
+  for tool in cmake make c++; do
+    command -v $tool >/dev/null || say "no $tool on PATH: the build needs it (not in the .deb folder)"
+  done
+  # Offline: no apt, no pip.
+  export FSDP2CPP_NO_APT=1 FSDP2CPP_NO_PIP=1
+  APT_PACKAGES=()
+fi
+
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
-if ((${#missing[@]} == 0)); then
+if [[ -n "${FSDP2CPP_DEBS:-}" ]]; then
+  say "Debian packages: the unpacked ones in $DEPS_DIR/usr (cmake uses them)"
+elif ((${#missing[@]} == 0)); then
   say "Debian packages present"
 elif [[ "${FSDP2CPP_NO_APT:-0}" == 1 ]] || ! command -v apt-get >/dev/null; then
   say "missing Debian packages (${missing[*]}) and no apt; the build may fail"

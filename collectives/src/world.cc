@@ -4,6 +4,7 @@
 #include <cerrno>
 #include <climits>
 #include <cstdlib>
+#include <optional>
 #include <set>
 #include <utility>
 
@@ -22,6 +23,7 @@ namespace {
 
 constexpr const char* kLauncherHint =
     "torchrun sets MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE (and LOCAL_RANK, LOCAL_WORLD_SIZE); "
+    "srun sets SLURM_PROCID, SLURM_NTASKS and SLURM_LOCALID but not MASTER_ADDR and MASTER_PORT; "
     "set them yourself when launching otherwise";
 
 std::string cause_of(const std::exception& e) {
@@ -43,6 +45,42 @@ std::optional<int> env_int(const char* name, bool required, int min, int max) {
               "fsdp2cpp: env:// rendezvous: environment variable ", name, "='", value, "' is not an integer in [", min,
               ", ", max, "]; ", kLauncherHint);
   return static_cast<int>(parsed);
+}
+
+bool is_set(const char* name) {
+  const char* value = std::getenv(name);
+  return value != nullptr && *value != '\0';
+}
+
+// This node's entry of SLURM_TASKS_PER_NODE, e.g. "2(x3),1" with node 3 -> 1.
+std::optional<int> slurm_tasks_on_node(const std::string& text, int node) {
+  int first_node = 0;
+  size_t pos = 0;
+  while (pos < text.size()) {
+    size_t end = text.find(',', pos);
+    if (end == std::string::npos) end = text.size();
+    const std::string entry = text.substr(pos, end - pos);
+    char* end_tasks = nullptr;
+    const long tasks = std::strtol(entry.c_str(), &end_tasks, 10);
+    long repeat = 1;
+    bool ok = end_tasks != entry.c_str();
+    if (ok && *end_tasks == '(') {
+      char* end_repeat = nullptr;
+      ok = end_tasks[1] == 'x';
+      if (ok) repeat = std::strtol(end_tasks + 2, &end_repeat, 10);
+      ok = ok && end_repeat != end_tasks + 2 && end_repeat[0] == ')' && end_repeat[1] == '\0';
+    } else {
+      ok = ok && *end_tasks == '\0';
+    }
+    TORCH_CHECK(ok, "fsdp2cpp: env:// rendezvous: environment variable SLURM_TASKS_PER_NODE='", text,
+                "' is not a list of N or N(xM) entries; set LOCAL_WORLD_SIZE or SLURM_NTASKS_PER_NODE instead");
+    TORCH_CHECK(tasks >= 1 && repeat >= 1, "fsdp2cpp: env:// rendezvous: environment variable SLURM_TASKS_PER_NODE='",
+                text, "' has an entry below 1");
+    if (node < first_node + repeat) return static_cast<int>(tasks);
+    first_node += static_cast<int>(repeat);
+    pos = end + 1;
+  }
+  return std::nullopt;
 }
 
 std::string rank_key(int rank) { return "fsdp2cpp/rdzv/rank/" + std::to_string(rank); }
@@ -83,17 +121,48 @@ World::World(c10::intrusive_ptr<c10d::Store> store, int rank, int size, int loca
 
 World::~World() = default;
 
-std::shared_ptr<World> World::from_env(const RendezvousOptions& options) {
+EnvRendezvousSpec env_rendezvous_spec() {
+  EnvRendezvousSpec spec;
   const char* addr = std::getenv("MASTER_ADDR");
   TORCH_CHECK(addr != nullptr && *addr != '\0',
               "fsdp2cpp: env:// rendezvous: environment variable MASTER_ADDR is not set; ", kLauncherHint);
-  const int port = *env_int("MASTER_PORT", /*required=*/true, 1, 65535);
-  const int world_size = *env_int("WORLD_SIZE", /*required=*/true, 1, INT_MAX);
-  const int rank = *env_int("RANK", /*required=*/true, 0, world_size - 1);
-  const std::optional<int> local_world_size = env_int("LOCAL_WORLD_SIZE", /*required=*/false, 1, world_size);
-  const std::optional<int> local_rank =
-      env_int("LOCAL_RANK", /*required=*/false, 0, local_world_size.value_or(world_size) - 1);
-  const std::string host = addr;
+  spec.master_addr = addr;
+  spec.master_port = *env_int("MASTER_PORT", /*required=*/true, 1, 65535);
+  std::optional<int> local_world_size, local_rank;
+  if (is_set("RANK") || !is_set("SLURM_PROCID")) {
+    spec.launcher = "torchrun";
+    TORCH_CHECK(is_set("RANK"), "fsdp2cpp: env:// rendezvous: environment variable RANK is not set (nor ",
+                "SLURM_PROCID, which srun sets); ", kLauncherHint);
+    spec.world_size = *env_int("WORLD_SIZE", /*required=*/true, 1, INT_MAX);
+    spec.rank = *env_int("RANK", /*required=*/true, 0, spec.world_size - 1);
+    local_world_size = env_int("LOCAL_WORLD_SIZE", /*required=*/false, 1, spec.world_size);
+    local_rank = env_int("LOCAL_RANK", /*required=*/false, 0, local_world_size.value_or(spec.world_size) - 1);
+  } else {
+    // srun: one task per rank, the task id is the rank.
+    spec.launcher = "srun";
+    spec.world_size = *env_int("SLURM_NTASKS", /*required=*/true, 1, INT_MAX);
+    spec.rank = *env_int("SLURM_PROCID", /*required=*/true, 0, spec.world_size - 1);
+    local_world_size = env_int("SLURM_NTASKS_PER_NODE", /*required=*/false, 1, spec.world_size);
+    if (!local_world_size && is_set("SLURM_TASKS_PER_NODE")) {
+      const int node = env_int("SLURM_NODEID", /*required=*/false, 0, INT_MAX).value_or(0);
+      local_world_size = slurm_tasks_on_node(std::getenv("SLURM_TASKS_PER_NODE"), node);
+      TORCH_CHECK(local_world_size.has_value(),
+                  "fsdp2cpp: env:// rendezvous: environment variable SLURM_TASKS_PER_NODE='",
+                  std::getenv("SLURM_TASKS_PER_NODE"), "' has no entry for node ", node, " (SLURM_NODEID)");
+      TORCH_CHECK(*local_world_size <= spec.world_size, "fsdp2cpp: env:// rendezvous: SLURM_TASKS_PER_NODE gives ",
+                  *local_world_size, " tasks on node ", node, ", more than SLURM_NTASKS=", spec.world_size);
+    }
+    local_rank = env_int("SLURM_LOCALID", /*required=*/false, 0, local_world_size.value_or(spec.world_size) - 1);
+  }
+  spec.local_rank = local_rank.value_or(-1);
+  spec.local_world_size = local_world_size.value_or(-1);
+  return spec;
+}
+
+std::shared_ptr<World> World::from_env(const RendezvousOptions& options) {
+  const EnvRendezvousSpec spec = env_rendezvous_spec();
+  const int port = spec.master_port, world_size = spec.world_size, rank = spec.rank;
+  const std::string& host = spec.master_addr;
   const std::string description = c10::str("env://", host, ":", port);
 
   // Under torchrun the elastic agent already hosts a TCPStore at
@@ -128,8 +197,8 @@ std::shared_ptr<World> World::from_env(const RendezvousOptions& options) {
     store = c10::make_intrusive<c10d::PrefixStore>(
         c10::str("/worker/attempt_", attempt != nullptr && *attempt != '\0' ? attempt : "0"), store);
   }
-  auto world = from_store(std::move(store), rank, world_size, description, options, local_rank.value_or(-1),
-                          local_world_size.value_or(-1));
+  auto world =
+      from_store(std::move(store), rank, world_size, description, options, spec.local_rank, spec.local_world_size);
   world->master_addr_ = host;
   return world;
 }

@@ -11,6 +11,7 @@
 #include "absl/flags/reflection.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "profile.h"
 
 namespace fsdp_train {
 
@@ -115,6 +116,13 @@ absl::Status validate(const TrainConfig& c, int64_t world_size) {
     if (!c.reshard_after_forward) {
       return flag_error("--no-shard: --no-reshard-after-forward is a fully_shard option; drop it");
     }
+  }
+  if (c.profile_dir.empty() && !c.profile_steps.empty()) {
+    return flag_error(
+        absl::StrCat("--profile-steps ", c.profile_steps, " needs --profile DIR (where to write the trace)"));
+  }
+  if (!c.profile_dir.empty()) {
+    if (auto s = parse_profile_steps(c.profile_steps, c.steps); !s.ok()) return s.status();
   }
   return absl::OkStatus();
 }

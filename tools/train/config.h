@@ -81,6 +81,10 @@ struct TrainConfig {
   // Stop after this step (0: run to `steps`); the learning-rate schedule
   // still spans `steps`, so a stopped run can be resumed as if uninterrupted.
   int64_t stop_after = 0;
+  // --profile: write a Kineto trace (Chrome trace JSON) per rank into this
+  // directory; empty: no profiling. --profile-steps "A:B" (profile.h).
+  std::string profile_dir;
+  std::string profile_steps;
 };
 
 // The mesh of --mesh: `replicate` x `shard` ranks.

@@ -7,6 +7,8 @@
 //   torchrun --nproc-per-node 2 --no-python fsdp_train --steps 50
 //                                             torchrun starts the ranks (env://)
 //   fsdp_train --nproc 2 --device cuda        NCCL, one rank per GPU
+//   MASTER_ADDR=node0 MASTER_PORT=29500 srun --ntasks 4 fsdp_train
+//                                             srun starts the ranks (env:// from SLURM_*)
 //
 // Flags may be spelled with dashes or underscores (--global-batch 8 or
 // --global_batch=8); --help lists them. Bad values fail before anything
@@ -32,6 +34,7 @@
 #include "config.h"
 #include "data.h"
 #include "launch/launch.h"
+#include "profile.h"
 #include "trainer.h"
 
 namespace {
@@ -82,6 +85,10 @@ ABSL_FLAG(std::string, init_from, "",
           "Start from these weights: a Hugging Face export, a checkpoint step-N directory, or a --save-dir.");
 ABSL_FLAG(int64_t, stop_after, 0,
           "Stop after this step (the schedule still spans --steps), as a preempted run would; 0: run to --steps.");
+ABSL_FLAG(std::string, profile, "",
+          "Write a Kineto trace (Chrome trace JSON for Perfetto / chrome://tracing) of some steps to "
+          "DIR/trace_rank<R>.json, with the FSDP phases labelled.");
+ABSL_FLAG(std::string, profile_steps, "", "A:B: the steps --profile records (1-based, inclusive); default 2:3.");
 
 namespace {
 
@@ -116,6 +123,8 @@ fsdp_train::TrainConfig config_from_flags() {
   c.export_hf = absl::GetFlag(FLAGS_export_hf);
   c.init_from = absl::GetFlag(FLAGS_init_from);
   c.stop_after = absl::GetFlag(FLAGS_stop_after);
+  c.profile_dir = absl::GetFlag(FLAGS_profile);
+  c.profile_steps = absl::GetFlag(FLAGS_profile_steps);
   return c;
 }
 
@@ -161,10 +170,18 @@ int main(int argc, char** argv) {
 
   const fsdp_train::TrainConfig config = config_from_flags();
   const std::optional<int> nproc = absl::GetFlag(FLAGS_nproc);
-  const bool torchrun_rank = std::getenv("RANK") != nullptr && std::getenv("WORLD_SIZE") != nullptr;
+  // srun starts every task with SLURM_PROCID; World::from_env reads Slurm's
+  // variables when RANK is unset (a one-task srun stays a single rank).
+  const bool srun_rank =
+      std::getenv("RANK") == nullptr && std::getenv("SLURM_PROCID") != nullptr && env_int("SLURM_NTASKS", 1) > 1;
+  const bool torchrun_rank = (std::getenv("RANK") != nullptr && std::getenv("WORLD_SIZE") != nullptr) || srun_rank;
   if (nproc && *nproc < 1) return fail("--nproc must be >= 1 (got " + std::to_string(*nproc) + ")", 2);
-  const int world_size = nproc ? *nproc : (torchrun_rank ? env_int("WORLD_SIZE", 1) : 1);
-  const int local_ranks = nproc ? *nproc : (torchrun_rank ? env_int("LOCAL_WORLD_SIZE", world_size) : 1);
+  const int world_size =
+      nproc ? *nproc : (srun_rank ? env_int("SLURM_NTASKS", 1) : (torchrun_rank ? env_int("WORLD_SIZE", 1) : 1));
+  const int local_ranks = nproc ? *nproc
+                                : (srun_rank ? env_int("SLURM_NTASKS_PER_NODE", 1)
+                                             : (torchrun_rank ? env_int("LOCAL_WORLD_SIZE", world_size) : 1));
+  const char* rank_var = srun_rank ? "SLURM_PROCID" : "RANK";
 
   // Everything that can be checked is checked before any rank starts.
   if (const absl::Status s = fsdp_train::validate(config, world_size); !s.ok())
@@ -176,18 +193,23 @@ int main(int argc, char** argv) {
     return fail(std::string(corpus.status().message()), 2);
   }
   // Rank 0 (or the launcher) writes --json: fail now, not after training.
-  if (!config.json_path.empty() && (!torchrun_rank || env_int("RANK", 0) == 0)) {
+  if (!config.json_path.empty() && (!torchrun_rank || env_int(rank_var, 0) == 0)) {
     if (std::FILE* f = std::fopen(config.json_path.c_str(), "a")) {
       std::fclose(f);
     } else {
       return fail("--json: cannot write '" + config.json_path + "': " + std::strerror(errno), 2);
     }
   }
+  if (!config.profile_dir.empty()) {
+    if (const absl::Status s = fsdp_train::prepare_profile_dir(config.profile_dir); !s.ok()) {
+      return fail(std::string(s.message()), 2);
+    }
+  }
   if (nproc) {
     return fsdp::launch::launch_local_ranks(*nproc, fsdp_train::remove_flag(args, "nproc"));
   }
 
-  const std::string who = torchrun_rank ? std::string("[rank ") + std::getenv("RANK") + "] " : "";
+  const std::string who = torchrun_rank ? std::string("[rank ") + std::getenv(rank_var) + "] " : "";
   try {
     auto world = torchrun_rank ? fsdp::collectives::World::from_env() : single_rank_world();
     fsdp_train::run_training(config, world);

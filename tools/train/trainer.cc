@@ -37,6 +37,7 @@
 #include "fsdp_common/config.h"
 #include "init.h"
 #include "model.h"
+#include "profile.h"
 #include "report.h"
 
 #if FSDP2CPP_WITH_CUDA
@@ -221,7 +222,10 @@ void run_training(const TrainConfig& c, const std::shared_ptr<fsdp::collectives:
   std::vector<StepRecord> records;
   const double tokens_per_step = static_cast<double>(c.global_batch * c.seq_len);
   double step_seconds_total = 0;
+  // --profile (profile.h): a Kineto trace of the steps of --profile-steps.
+  StepProfiler profiler(c, rank, device);
   for (int64_t step = first_step; step <= last_step; ++step) {
+    profiler.begin_step(step);
     const auto start = Clock::now();
     for (auto& group : optim.param_groups()) {
       static_cast<torch::optim::AdamWOptions&>(group.options()).lr(learning_rate(c, step));
@@ -252,6 +256,7 @@ void run_training(const TrainConfig& c, const std::shared_ptr<fsdp::collectives:
     record.tokens_per_s = tokens_per_step / record.seconds;
     records.push_back(record);
     if (rank == 0) progress.update(record);
+    profiler.end_step(step);
     if (checkpoint_due(step)) {
       TrainingProgress saved;
       saved.step = step;
@@ -262,6 +267,7 @@ void run_training(const TrainConfig& c, const std::shared_ptr<fsdp::collectives:
     }
   }
   if (rank == 0) progress.finish();
+  if (rank == 0 && profiler.written()) std::printf("  profile       %s\n", profiler.describe().c_str());
   if (!c.export_hf.empty()) export_model_hf(c.export_hf, *model, metrics);
   if (records.empty()) {
     if (rank == 0) {

@@ -12,8 +12,11 @@
 //
 // Rendezvous methods:
 //   env://   MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE (required) and
-//            LOCAL_RANK, LOCAL_WORLD_SIZE (optional) as torchrun, srun
-//            wrappers and Kubernetes launchers set them; rank 0 hosts a
+//            LOCAL_RANK, LOCAL_WORLD_SIZE (optional) as torchrun and
+//            Kubernetes launchers set them, or, when RANK is unset, srun's
+//            SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID and
+//            SLURM_NTASKS_PER_NODE / SLURM_TASKS_PER_NODE (MASTER_ADDR and
+//            MASTER_PORT are still needed: srun does not set them); rank 0 hosts a
 //            c10d TCPStore at MASTER_ADDR:MASTER_PORT, unless
 //            TORCHELASTIC_USE_AGENT_STORE=True says torchrun's agent hosts
 //            it (then every rank joins it, under the prefix of
@@ -42,6 +45,27 @@ class Store;
 
 namespace fsdp::collectives {
 
+// What an env:// rendezvous reads from the environment, before it connects.
+struct EnvRendezvousSpec {
+  std::string master_addr;
+  int master_port = 0;
+  int rank = 0;
+  int world_size = 1;
+  // -1 when the launcher did not say.
+  int local_rank = -1;
+  int local_world_size = -1;
+  // "torchrun" (RANK, WORLD_SIZE, ...) or "srun" (SLURM_PROCID, ...).
+  std::string launcher;
+};
+
+// Reads the env:// variables: torchrun's when RANK is set, else srun's when
+// SLURM_PROCID is set. Under srun the local world size is
+// SLURM_NTASKS_PER_NODE, else this node's entry of SLURM_TASKS_PER_NODE
+// ("2(x3),1": 2 tasks on each of nodes 0-2, 1 on node 3; SLURM_NODEID picks
+// the entry), else unknown. Throws c10::Error naming the missing or
+// malformed variable.
+EnvRendezvousSpec env_rendezvous_spec();
+
 struct RendezvousOptions {
   // How long to wait for every rank to join the rendezvous.
   std::chrono::milliseconds timeout = std::chrono::minutes(5);
@@ -49,8 +73,9 @@ struct RendezvousOptions {
 
 class World {
  public:
-  // env:// rendezvous. Throws c10::Error naming the missing or malformed
-  // variable, or the ranks that did not join within `options.timeout`.
+  // env:// rendezvous over env_rendezvous_spec() (torchrun or srun). Throws
+  // c10::Error naming the missing or malformed variable, or the ranks that
+  // did not join within `options.timeout`.
   static std::shared_ptr<World> from_env(const RendezvousOptions& options = {});
 
   // file:// rendezvous through a FileStore at `path`. The file must not hold
