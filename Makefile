@@ -72,7 +72,7 @@ format:
 # only files the build compiles are checked. A file that includes LibTorch
 # headers takes 15-25 s, so `make tidy` over everything takes about 10 minutes
 # and `make lint` only checks the sources that differ from HEAD.
-TIDY_FILES ?= $(addprefix $(CURDIR)/,common/src/ collectives/src/ device_mesh/src/ fsdp2/src/ testing/src/ tools/)
+TIDY_FILES ?= $(addprefix $(CURDIR)/,common/src/ collectives/src/ device_mesh/src/ checkpoint/src/ fsdp2/src/ launch/src/ testing/src/ tools/)
 TIDY_JOBS  ?= 1
 LINT_TIDY_FILES = $(addprefix $(CURDIR)/,$(wildcard $(filter %.cc,$(shell git diff --name-only HEAD 2>/dev/null; \
                     git ls-files --others --exclude-standard 2>/dev/null))))
