@@ -139,6 +139,28 @@ TEST(FsdpTrainCheckpoint, ResumeAtAnotherWorldSizeAndMesh) {
   expect_tail_matches(full, at1, 1e-5);
 }
 
+// Saved on a 2x2 HSDP mesh (only replica 0 writes), resumed on a 1-D mesh of
+// 3 ranks. Global batch 12: divisible by 4 and 3.
+TEST(FsdpTrainCheckpoint, HsdpSaveResumesOnAnotherMesh) {
+  ScratchTree dir;
+  auto flags = [&](const std::string& json, int nproc) {
+    std::vector<std::string> f = run_flags(json, nproc);
+    f[3] = "12";  // --global-batch
+    return f;
+  };
+  const TrainRecord full = train(flags(dir / "full.json", 3), "uninterrupted run at 3 ranks");
+  const std::string saves = dir / "saves";
+  train(with(flags(dir / "first.json", 4),
+             {"--mesh", "2x2", "--save-dir", saves, "--stop-after", std::to_string(kStopAfter)}),
+        "first half on a 2x2 mesh");
+  // Replicas 0 (ranks 0 and 1) write; ranks 2 and 3 hold the same rows.
+  EXPECT_TRUE(exists(saves + "/step-10/model/shard-00002-model-00001-of-00001.safetensors"));
+  EXPECT_FALSE(exists(saves + "/step-10/model/shard-00003-model-00001-of-00001.safetensors"));
+  const TrainRecord at3 =
+      train(with(flags(dir / "three.json", 3), {"--save-dir", saves, "--resume"}), "resumed at 3 ranks");
+  expect_tail_matches(full, at3, 1e-5);
+}
+
 TEST(FsdpTrainCheckpoint, KeepPrunesOldCheckpointsAndUnfinishedSavesAreIgnored) {
   ScratchTree dir;
   const std::string saves = dir / "saves";

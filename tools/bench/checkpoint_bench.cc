@@ -37,7 +37,7 @@
 #include "config.h"
 #include "device_mesh/device_mesh.h"
 #include "device_mesh/dtensor.h"
-#include "launcher.h"
+#include "launch/launch.h"
 
 ABSL_FLAG(int, nproc, 2, "local ranks to start (ignored under torchrun, where RANK is set)");
 ABSL_FLAG(int64_t, mib, 256, "total state dict size in MiB");
@@ -198,7 +198,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "checkpoint_bench: --nproc must be at least 1 (got %d)\n", nproc);
       return 2;
     }
-    return fsdp_train::launch_local_ranks(nproc, fsdp_train::remove_flag(args, "nproc"));
+    return fsdp::launch::launch_local_ranks(nproc, fsdp_train::remove_flag(args, "nproc"));
   }
   return run_rank();
 }
