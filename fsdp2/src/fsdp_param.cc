@@ -83,6 +83,7 @@ void FSDPParam::to_unsharded() {
   TORCH_INTERNAL_ASSERT(unsharded_storage_bytes() > 0 || unsharded_numel_ == 0, "fsdp2: ", fqn_,
                         " is unsharded before its all-gather output exists");
   stash_sharded_grad();
+  hide_post_accumulate_grad_hooks();
   param_.set_data(unsharded_view_);
   state_ = ShardedState::kUnsharded;
 }
@@ -97,6 +98,15 @@ void FSDPParam::to_sharded() {
   free_unsharded_storage();
   restore_sharded_grad();
   state_ = ShardedState::kSharded;
+  restore_post_accumulate_grad_hooks();
+  if (post_acc_grad_hooks_pending_) run_post_accumulate_grad_hooks();
+}
+
+void FSDPParam::stash_sharded_grad_for_backward() {
+  if (state_ != ShardedState::kSharded || grad_stashed_while_sharded_) return;
+  stash_sharded_grad();
+  grad_stashed_while_sharded_ = true;
+  hide_post_accumulate_grad_hooks();
 }
 
 void FSDPParam::stash_sharded_grad() {
@@ -116,31 +126,70 @@ void FSDPParam::restore_sharded_grad() {
   sharded_grad_ = at::Tensor();
 }
 
-at::Tensor FSDPParam::take_unsharded_grad() {
+void FSDPParam::hide_post_accumulate_grad_hooks() {
+  if (!param_.requires_grad() || post_acc_grad_hooks_aside_) return;
+  post_acc_grad_hooks_aside_ = std::move(torch::autograd::impl::post_acc_grad_hooks(param_));
+}
+
+void FSDPParam::restore_post_accumulate_grad_hooks() {
+  if (!post_acc_grad_hooks_aside_) return;
+  auto& hooks = torch::autograd::impl::post_acc_grad_hooks(param_);
+  if (!hooks) hooks = std::move(post_acc_grad_hooks_aside_);
+  post_acc_grad_hooks_aside_.reset();
+}
+
+void FSDPParam::run_post_accumulate_grad_hooks() {
+  if (state_ != ShardedState::kSharded || grad_stashed_while_sharded_) {
+    post_acc_grad_hooks_pending_ = true;
+    return;
+  }
+  post_acc_grad_hooks_pending_ = false;
+  if (!param_.requires_grad()) return;
+  if (auto& hooks = torch::autograd::impl::post_acc_grad_hooks(param_)) (*hooks)(param_);
+}
+
+at::Tensor FSDPParam::take_autograd_grad() {
   at::Tensor& grad = param_.mutable_grad();
-  at::Tensor result = std::move(grad);
-  grad = at::Tensor();
-  if (unsharded_accumulated_grad_.defined()) {
-    if (result.defined()) {
-      c10::NoGradGuard no_grad;
-      unsharded_accumulated_grad_.add_(result);
-    }
-    result = std::move(unsharded_accumulated_grad_);
-    unsharded_accumulated_grad_ = at::Tensor();
+  at::Tensor result;
+  if (state_ == ShardedState::kUnsharded) {
+    result = std::move(grad);
+    grad = at::Tensor();
+    return result;
+  }
+  if (!grad_stashed_while_sharded_) return result;
+  if (grad.defined()) {
+    TORCH_CHECK(grad.sizes() == c10::IntArrayRef(unsharded_shape_), "fsdp2: parameter '", fqn_,
+                "' got a gradient of shape ", grad.sizes(), " in a backward that did not unshard it; expected ",
+                c10::IntArrayRef(unsharded_shape_));
+    result = std::move(grad);
+    grad = at::Tensor();
+  }
+  grad_stashed_while_sharded_ = false;
+  restore_sharded_grad();
+  restore_post_accumulate_grad_hooks();
+  if (post_acc_grad_hooks_pending_) run_post_accumulate_grad_hooks();
+  return result;
+}
+
+at::Tensor FSDPParam::take_unsharded_grad(at::Tensor grad) {
+  if (!unsharded_accumulated_grad_.defined()) return grad;
+  at::Tensor result = std::move(unsharded_accumulated_grad_);
+  unsharded_accumulated_grad_ = at::Tensor();
+  if (grad.defined()) {
+    c10::NoGradGuard no_grad;
+    result.add_(grad);
   }
   return result;
 }
 
-void FSDPParam::accumulate_unsharded_grad() {
-  at::Tensor& grad = param_.mutable_grad();
+void FSDPParam::accumulate_unsharded_grad(at::Tensor grad, c10::ScalarType reduce_dtype) {
   if (!grad.defined()) return;
+  c10::NoGradGuard no_grad;
   if (unsharded_accumulated_grad_.defined()) {
-    c10::NoGradGuard no_grad;
     unsharded_accumulated_grad_.add_(grad);
   } else {
-    unsharded_accumulated_grad_ = grad;
+    unsharded_accumulated_grad_ = grad.scalar_type() == reduce_dtype ? std::move(grad) : grad.to(reduce_dtype);
   }
-  grad = at::Tensor();
 }
 
 void FSDPParam::accumulate_sharded_grad(const at::Tensor& reduced_padded_chunk) {

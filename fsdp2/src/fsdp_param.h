@@ -30,10 +30,12 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <torch/csrc/autograd/function_hook.h>
 
 namespace fsdp::detail {
 
@@ -88,16 +90,30 @@ class FSDPParam {
   // Points P at the shard and frees the buffer.
   void to_sharded();
 
-  // Takes the full gradient autograd accumulated on P (undefined when P got
-  // none), adding a kept unsharded accumulated gradient (no-sync mode); P.grad
-  // becomes undefined.
-  at::Tensor take_unsharded_grad();
-  // No-sync mode: keeps P's full gradient aside, summed over micro-batches,
+  // Takes the gradient autograd accumulated on P in this backward (undefined
+  // when none): P.grad while unsharded; while sharded (a group not unsharded
+  // in backward), the full-shape .grad autograd set on the sharded P, after
+  // which the sharded .grad kept aside by stash_sharded_grad is put back.
+  at::Tensor take_autograd_grad();
+  // The no-sync accumulated gradient plus `grad` (either may be undefined);
+  // nothing is kept afterwards.
+  at::Tensor take_unsharded_grad(at::Tensor grad);
+  // No-sync mode: keeps `grad` (a full gradient) aside, summed over
+  // micro-batches in `reduce_dtype` (seed 001 to_accumulated_grad_if_needed),
   // until a backward that reduces.
-  void accumulate_unsharded_grad();
+  void accumulate_unsharded_grad(at::Tensor grad, c10::ScalarType reduce_dtype);
   // Adds a reduced gradient (this rank's padded chunk, padded_shard_numel()
   // elements, any dtype) to the sharded gradient, in orig_dtype().
   void accumulate_sharded_grad(const at::Tensor& reduced_padded_chunk);
+  // Runs P's post-accumulate-grad hooks with the sharded gradient (deferred
+  // to the next reshard while P is unsharded). While P holds full gradients
+  // (unsharded, or in a backward that does not unshard it) its hooks are kept
+  // aside so that autograd's AccumulateGrad does not run them.
+  void run_post_accumulate_grad_hooks();
+  // For a backward that keeps P sharded: moves P's sharded .grad (and its
+  // post-accumulate-grad hooks) aside so that autograd accumulates a fresh
+  // full gradient into P; take_autograd_grad puts them back.
+  void stash_sharded_grad_for_backward();
 
   // [Note: replaced parameter data] torch::load (InputArchive::read does
   // P.set_(loaded)), Module::to and set_data can point P away from the shard
@@ -114,6 +130,8 @@ class FSDPParam {
  private:
   void stash_sharded_grad();
   void restore_sharded_grad();
+  void hide_post_accumulate_grad_hooks();
+  void restore_post_accumulate_grad_hooks();
 
   at::Tensor param_;  // P, the module's registered parameter
   std::string fqn_;
@@ -129,6 +147,10 @@ class FSDPParam {
   at::Tensor unsharded_view_;              // unsharded_buffer_ prefix as P's full shape
   at::Tensor sharded_grad_;                // a sharded .grad kept aside while unsharded
   at::Tensor unsharded_accumulated_grad_;  // no-sync accumulation
+  // The sharded .grad was stashed by a backward that keeps P sharded.
+  bool grad_stashed_while_sharded_ = false;
+  std::unique_ptr<torch::autograd::PostAccumulateGradHook> post_acc_grad_hooks_aside_;
+  bool post_acc_grad_hooks_pending_ = false;
   ShardedState state_ = ShardedState::kSharded;
 };
 

@@ -1,6 +1,7 @@
 #include "fsdp_param_group.h"
 
 #include <chrono>
+#include <cmath>
 
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
@@ -46,6 +47,67 @@ struct PostBackwardFunction : torch::autograd::Function<PostBackwardFunction> {
 
 }  // namespace
 
+void FSDPCommContext::release_all_gather_state() {
+  if (!last_all_gather_output.defined()) return;
+  last_all_gather_done.block(streams.all_gather_copy_in());
+  last_all_gather_done.block(streams.all_gather());
+  last_all_gather_done = DeviceEvent();
+  last_all_gather_output = at::Tensor();
+}
+
+void FSDPCommContext::wait_for_last_reduce_scatter() {
+  if (pending_reduce_group != nullptr) pending_reduce_group->wait_for_post_backward();
+  if (reduce_scatter_input.defined()) {
+    // The input was made on the current stream; once that stream has waited
+    // for the collective, the allocator may reuse it there.
+    reduce_scatter_done.block(streams.current_stream());
+    reduce_scatter_done = DeviceEvent();
+    reduce_scatter_input = at::Tensor();
+  }
+}
+
+ReduceOps gradient_reduce_ops(int64_t shard_size, int64_t replicate_size, c10::ScalarType reduce_dtype,
+                              std::optional<double> divide_factor, bool force_sum) {
+  ReduceOps ops;
+  // fp32 and bf16 do not overflow when summed before dividing; the
+  // collective divides (no separate kernel).
+  const bool overflow_risk = reduce_dtype != at::kFloat && reduce_dtype != at::kBFloat16;
+  const int64_t dp_size = shard_size * replicate_size;
+  if (!overflow_risk && !force_sum) {
+    if (!divide_factor) {
+      if (dp_size == 1) return ops;
+      ops.reduce_scatter = collectives::ReduceOp::avg();
+      ops.all_reduce = collectives::ReduceOp::avg();
+      return ops;
+    }
+    ops.reduce_scatter = *divide_factor == static_cast<double>(shard_size)
+                             ? collectives::ReduceOp::avg()
+                             : collectives::ReduceOp::premul_sum(1.0 / *divide_factor);
+    return ops;
+  }
+  const double factor = divide_factor.value_or(static_cast<double>(dp_size));
+  if (overflow_risk) {
+    // Divide by about sqrt(factor) before and the rest after the sum, so
+    // that neither the sum nor the divided inputs leave fp16's range.
+    double pre = 1.0;
+    while (std::fmod(factor, pre) == 0.0 && factor / pre > pre) pre *= 2.0;
+    ops.pre_divide = pre;
+    ops.post_divide = factor / pre;
+  } else {
+    ops.post_divide = factor;
+  }
+  return ops;
+}
+
+std::string describe_reduce(const collectives::ReduceOp& op, collectives::BackendKind backend, int64_t world) {
+  if (backend != collectives::BackendKind::kGloo) return op.to_string();
+  switch (op.kind()) {
+    case collectives::ReduceOp::Kind::kAvg: return "SUM, then a local division by " + std::to_string(world);
+    case collectives::ReduceOp::Kind::kPremulSum: return "SUM, then a local " + op.to_string();
+    default: return op.to_string();
+  }
+}
+
 FSDPParamGroup::FSDPParamGroup(std::vector<at::Tensor> params, std::vector<std::string> param_names, DeviceMesh mesh,
                                c10::Device device, const MixedPrecisionPolicy& mp_policy,
                                std::shared_ptr<collectives::Communicator> post_forward_comm)
@@ -82,6 +144,13 @@ void FSDPParamGroup::unshard(bool async_op) {
               "' is unsharded before its root's first forward; run a forward through the root module first");
   PhaseScope phase(with_fqn("FSDP::all_gather"));
   const StreamSet& streams = comm_ctx_->streams;
+  if (!reshard_after_forward_done_.empty()) {
+    // The post-forward shard was made on the caller's stream and is read by
+    // the copy-in (and, on Gloo, the all-gather) on theirs.
+    reshard_after_forward_done_.block(streams.all_gather_copy_in());
+    reshard_after_forward_done_.block(streams.all_gather());
+    reshard_after_forward_done_ = DeviceEvent();
+  }
   // Implicit prefetch in forward/backward uses the all-gather streams so the
   // collective overlaps compute; an explicit unshard runs on the caller's
   // stream (FSDP2's _get_all_gather_streams).
@@ -132,6 +201,7 @@ void FSDPParamGroup::unshard(bool async_op) {
     }
   }
   AllGatherResult result;
+  result.async_op = async_op;
   result.copy_in_done = DeviceEvent::record(copy_in_stream);
   result.all_gather_stream = all_gather_stream;
   {
@@ -170,8 +240,18 @@ void FSDPParamGroup::wait_for_unshard() {
                                   /*dim=*/1);
   }
   to_unsharded();
-  comm_ctx_->last_all_gather_output = std::move(result.output);
-  comm_ctx_->last_all_gather_done = DeviceEvent::record(current);
+  DeviceEvent copy_out_done = DeviceEvent::record(current);
+  if (!result.async_op && training_state_ == TrainingState::kForward) {
+    // Freed at the next copy-in, so that this copy-out overlaps the next
+    // all-gather (see [Note: all-gather output lifetime]).
+    comm_ctx_->last_all_gather_output = std::move(result.output);
+    comm_ctx_->last_all_gather_done = std::move(copy_out_done);
+  } else {
+    // Backward and explicit unshards free the output now (FSDP2 does too):
+    // the copy-out already overlaps the previous reduce-scatter.
+    copy_out_done.block(streams.all_gather_copy_in());
+    copy_out_done.block(streams.all_gather());
+  }
 }
 
 void FSDPParamGroup::reshard() {
@@ -215,6 +295,7 @@ void FSDPParamGroup::to_sharded_post_forward() {
     c10::NoGradGuard no_grad;
     post_forward_shard_ = at::cat(pieces, /*dim=*/1).reshape({-1});
   }
+  reshard_after_forward_done_ = DeviceEvent::record(comm_ctx_->streams.current_stream());
   for (const auto& p : params_) p->to_sharded();
   sharded_state_ = ShardedState::kShardedPostForward;
 }
@@ -262,6 +343,12 @@ void FSDPParamGroup::pre_backward(bool default_prefetch) {
   if (training_state_ == TrainingState::kPreBackward) return;
   PhaseScope phase(with_fqn("FSDP::pre_backward"));
   training_state_ = TrainingState::kPreBackward;
+  if (!settings_.unshard_in_backward && !is_unsharded()) {
+    // Autograd may still produce full gradients for these parameters (an
+    // embedding needs only its indices): keep the sharded ones aside so that
+    // post-backward finds only this backward's gradient on them.
+    for (const auto& p : params_) p->stash_sharded_grad_for_backward();
+  }
   unshard(/*async_op=*/false);
   wait_for_unshard();
   if (default_prefetch) backward_prefetch();
@@ -280,105 +367,117 @@ void FSDPParamGroup::backward_prefetch() {
   target->training_state_ = saved;
 }
 
-void FSDPParamGroup::reduce_ops(collectives::ReduceOp* reduce_scatter, collectives::ReduceOp* all_reduce,
-                                double* post_divide) const {
-  const double dp_size =
-      static_cast<double>(shard_comm_->size()) * (replicate_comm_ ? static_cast<double>(replicate_comm_->size()) : 1.0);
-  *post_divide = 1.0;
-  if (settings_.force_sum_reduction) {
-    *reduce_scatter = collectives::ReduceOp::sum();
-    *all_reduce = collectives::ReduceOp::sum();
-    *post_divide = settings_.gradient_divide_factor.value_or(dp_size);
-  } else if (settings_.gradient_divide_factor) {
-    *reduce_scatter = collectives::ReduceOp::premul_sum(1.0 / *settings_.gradient_divide_factor);
-    *all_reduce = collectives::ReduceOp::sum();
-  } else {
-    // AVG over the shard group, then over the replicas: the average over the
-    // whole data-parallel world.
-    *reduce_scatter = collectives::ReduceOp::avg();
-    *all_reduce = collectives::ReduceOp::avg();
-  }
+ReduceOps FSDPParamGroup::reduce_ops() const {
+  return gradient_reduce_ops(shard_comm_->size(), replicate_comm_ ? replicate_comm_->size() : 1, reduce_dtype_,
+                             settings_.gradient_divide_factor, settings_.force_sum_reduction);
 }
 
 void FSDPParamGroup::post_backward() {
   PhaseScope phase(with_fqn("FSDP::post_backward"));
   training_state_ = TrainingState::kPostBackward;
-  // A sharded group has no full gradients: autograd cannot have accumulated
-  // into its sharded parameters (their .grad, if any, is sharded already).
-  if (!is_unsharded()) return;
-  if (!settings_.reduce_grads) {
-    for (const auto& p : params_) p->accumulate_unsharded_grad();
-    if (settings_.reshard_after_backward) to_sharded();
-    return;
-  }
   std::vector<FSDPParam*> params_with_grad;
   std::vector<at::Tensor> grads;
-  for (const auto& p : params_) {
-    at::Tensor g = p->take_unsharded_grad();
-    if (!g.defined()) continue;
-    TORCH_CHECK(g.sizes() == c10::IntArrayRef(p->unsharded_shape()), "fsdp2: parameter '", p->fqn(),
-                "' has a gradient of shape ", g.sizes(), " at the end of its backward, expected ",
-                c10::IntArrayRef(p->unsharded_shape()),
-                ". Was the module called around its hooks (not through fsdp::call_module)?");
-    params_with_grad.push_back(p.get());
-    grads.push_back(std::move(g));
+  if (is_unsharded()) {
+    if (!settings_.reduce_grads) {
+      for (const auto& p : params_) p->accumulate_unsharded_grad(p->take_autograd_grad(), reduce_dtype_);
+      if (settings_.reshard_after_backward) to_sharded();
+      return;
+    }
+    for (const auto& p : params_) {
+      at::Tensor g = p->take_unsharded_grad(p->take_autograd_grad());
+      if (!g.defined()) continue;
+      TORCH_CHECK(g.sizes() == c10::IntArrayRef(p->unsharded_shape()), "fsdp2: parameter '", p->fqn(),
+                  "' has a gradient of shape ", g.sizes(), " at the end of its backward, expected ",
+                  c10::IntArrayRef(p->unsharded_shape()),
+                  ". Was the module called around its hooks (not through fsdp::call_module)?");
+      params_with_grad.push_back(p.get());
+      grads.push_back(std::move(g));
+    }
+    if (settings_.reshard_after_backward) to_sharded();
+  } else if (!settings_.unshard_in_backward) {
+    // pytorch#137922: parameters not unsharded in backward may still get a
+    // gradient (an embedding's needs only the indices); autograd put it,
+    // full-shape, on the sharded parameter. It is reduced like any other.
+    for (const auto& p : params_) {
+      at::Tensor g = p->take_autograd_grad();
+      if (!settings_.reduce_grads) {
+        p->accumulate_unsharded_grad(std::move(g), reduce_dtype_);
+        continue;
+      }
+      g = p->take_unsharded_grad(std::move(g));
+      if (!g.defined()) continue;
+      params_with_grad.push_back(p.get());
+      grads.push_back(std::move(g));
+    }
   }
-  if (settings_.reshard_after_backward) to_sharded();
+  // Otherwise the group is sharded: autograd cannot have accumulated into
+  // its sharded parameters (their .grad, if any, is sharded already).
   if (grads.empty()) return;
 
   PhaseScope reduce_phase(with_fqn("FSDP::post_backward_reduce"));
+  // See [Note: bounded reductions].
+  comm_ctx_->wait_for_last_reduce_scatter();
   wait_for_post_backward();
   const StreamSet& streams = comm_ctx_->streams;
-  const std::optional<c10::Stream> rs_stream = streams.reduce_scatter();
-  StreamSet::wait_stream(rs_stream, streams.current_stream());
-  OptionalStreamGuard guard(rs_stream);
+  const ReduceOps ops = reduce_ops();
   const int64_t world = shard_comm_->size();
   int64_t total = 0;
-  std::vector<at::Tensor> grads_2d;
-  grads_2d.reserve(grads.size());
-  for (size_t i = 0; i < grads.size(); ++i) {
-    total += params_with_grad[i]->padded_shard_numel();
-    const int64_t rows = grads[i].dim() == 0 ? 1 : grads[i].size(0);
-    at::Tensor g = grads[i].scalar_type() == reduce_dtype_ ? grads[i] : grads[i].to(reduce_dtype_);
-    grads_2d.push_back(g.reshape({rows, rows == 0 ? 0 : g.numel() / rows}));
-    // The gradients were made on the current stream and are read on the
-    // reduce-scatter stream: keep their memory until that stream is done.
-    StreamSet::record_stream(grads[i], rs_stream);
-  }
-  comm_ctx_->last_reduce_scatter_input = at::Tensor();
+  for (FSDPParam* p : params_with_grad) total += p->padded_shard_numel();
   at::Tensor input = at::empty({world, total}, grads.front().options().dtype(reduce_dtype_));
   {
+    PhaseScope copy_in(with_fqn("FSDP::reduce_scatter_copy_in"));
     c10::NoGradGuard no_grad;
+    std::vector<at::Tensor> grads_2d;
+    grads_2d.reserve(grads.size());
+    for (at::Tensor& g : grads) {
+      const int64_t rows = g.dim() == 0 ? 1 : g.size(0);
+      at::Tensor cast = g.scalar_type() == reduce_dtype_ ? std::move(g) : g.to(reduce_dtype_);
+      g = at::Tensor();
+      grads_2d.push_back(cast.reshape({rows, rows == 0 ? 0 : cast.numel() / rows}));
+    }
     at::_chunk_cat_out(input, grads_2d, /*dim=*/0, /*num_chunks=*/world);
+    // Only the copy-in reads the gradients: they are freed here, on the
+    // stream that made them.
+    grads_2d.clear();
+    grads.clear();
+    if (ops.pre_divide != 1.0) input.div_(ops.pre_divide);
   }
-  at::Tensor output = at::empty({total}, input.options());
-  double post_divide = 1.0;
-  collectives::ReduceOp op = collectives::ReduceOp::sum();
-  collectives::ReduceOp all_reduce_op = collectives::ReduceOp::sum();
-  reduce_ops(&op, &all_reduce_op, &post_divide);
-  FSDP2CPP_LOG_DEBUG(with_fqn("FSDP::reduce_scatter") + " op " + op.to_string() + ", " + std::to_string(total) +
-                     " elements per rank");
+  const std::optional<c10::Stream> rs_stream = streams.reduce_scatter();
+  StreamSet::wait_stream(rs_stream, streams.current_stream());
+  at::Tensor output;
   collectives::Work work;
   {
-    PhaseScope phase(with_fqn("FSDP::reduce_scatter"));
-    work = shard_comm_->reduce_scatter_tensor(output, input.view({-1}), op);
+    OptionalStreamGuard guard(rs_stream);
+    output = at::empty({total}, input.options());
+    FSDP2CPP_LOG_DEBUG(with_fqn("FSDP::reduce_scatter") + " op " +
+                       describe_reduce(ops.reduce_scatter, shard_comm_->backend_kind(), world) + " in " +
+                       c10::toString(reduce_dtype_) + ", " + std::to_string(total) + " elements per rank");
+    PhaseScope rs_phase(with_fqn("FSDP::reduce_scatter"));
+    work = shard_comm_->reduce_scatter_tensor(output, input.view({-1}), ops.reduce_scatter);
   }
   comm_ctx_->stats.reduce_scatters += 1;
   comm_ctx_->stats.reduce_scatter_bytes += input.numel() * static_cast<int64_t>(input.element_size());
+  comm_ctx_->reduce_scatter_input = std::move(input);
+  comm_ctx_->reduce_scatter_done = DeviceEvent::record(rs_stream);
   pending_reduce_ = PendingReduce{std::move(work), std::move(output), std::move(params_with_grad),
-                                  all_reduce_op,   post_divide,       settings_.all_reduce_grads,
+                                  ops.all_reduce,  ops.post_divide,   settings_.all_reduce_grads,
                                   rs_stream};
-  comm_ctx_->last_reduce_scatter_input = std::move(input);
-  // On CPU the reduce-scatter runs on Gloo's threads while backward goes on;
-  // it is completed at the next post-backward of this group or at the end of
-  // backward. On CUDA completing it only enqueues work on its stream.
-  if (streams.enabled()) wait_for_post_backward();
+  if (streams.enabled()) {
+    // Completing it only enqueues work on the reduction streams.
+    wait_for_post_backward();
+  } else {
+    // On CPU the reduce-scatter runs on Gloo's threads while backward goes
+    // on; it is completed before the next group's is issued, or at the end of
+    // backward.
+    comm_ctx_->pending_reduce_group = this;
+  }
 }
 
 void FSDPParamGroup::wait_for_post_backward() {
   if (!pending_reduce_) return;
   PendingReduce pending = std::move(*pending_reduce_);
   pending_reduce_.reset();
+  if (comm_ctx_->pending_reduce_group == this) comm_ctx_->pending_reduce_group = nullptr;
   // The reduced chunks become .grad, used on the caller's stream (optimizer).
   StreamSet::record_stream(pending.output, comm_ctx_->streams.current_stream());
   OptionalStreamGuard guard(pending.stream);
@@ -416,15 +515,29 @@ void FSDPParamGroup::wait_for_post_backward() {
         std::chrono::duration<double>(std::chrono::steady_clock::now() - ar_start).count();
     pending.stream = ar_stream;
   }
+  if (settings_.reduced_grad_hook) {
+    // Before the division, as FSDP2's all-reduce hook: on the user's stream
+    // when given, else on the all-reduce stream.
+    const std::optional<c10::Stream> hook_stream = settings_.reduced_grad_hook_stream && comm_ctx_->streams.enabled()
+                                                       ? settings_.reduced_grad_hook_stream
+                                                       : comm_ctx_->streams.all_reduce();
+    StreamSet::wait_stream(hook_stream, pending.stream);
+    StreamSet::record_stream(pending.output, hook_stream);
+    OptionalStreamGuard hook_guard(hook_stream);
+    PhaseScope phase(with_fqn("FSDP::all_reduce_hook"));
+    settings_.reduced_grad_hook(pending.output);
+    pending.stream = hook_stream;
+  }
   OptionalStreamGuard post_guard(pending.stream);
   if (pending.post_divide != 1.0) pending.output.div_(pending.post_divide);
-  if (settings_.reduced_grad_hook) settings_.reduced_grad_hook(pending.output);
   int64_t offset = 0;
   for (FSDPParam* p : pending.params) {
     p->accumulate_sharded_grad(pending.output.narrow(0, offset, p->padded_shard_numel()));
     offset += p->padded_shard_numel();
   }
   post_reduce_done_ = DeviceEvent::record(pending.stream);
+  // Optimizer-in-backward: the hooks see the sharded gradient, as in FSDP2.
+  for (FSDPParam* p : pending.params) p->run_post_accumulate_grad_hooks();
 }
 
 void FSDPParamGroup::finalize_backward() {
@@ -437,6 +550,32 @@ void FSDPParamGroup::finalize_backward() {
     all_gather_.reset();
   }
   post_forward_indices_.clear();
+}
+
+void FSDPParamGroup::reset_iter_state() {
+  // Collectives in flight must finish before their buffers go; an error they
+  // raise belongs to the failed step, not to the recovery.
+  auto wait_quietly = [](collectives::Work& work) {
+    try {
+      work.wait();
+    } catch (const c10::Error&) {
+    }
+  };
+  if (all_gather_) wait_quietly(all_gather_->work);
+  all_gather_.reset();
+  if (pending_reduce_) wait_quietly(pending_reduce_->work);
+  pending_reduce_.reset();
+  if (comm_ctx_ != nullptr && comm_ctx_->pending_reduce_group == this) comm_ctx_->pending_reduce_group = nullptr;
+  partial_reduce_output_ = at::Tensor();
+  for (const auto& p : params_) {
+    // Unreduced gradients of the failed step.
+    p->take_unsharded_grad(p->take_autograd_grad());
+  }
+  to_sharded();
+  post_forward_indices_.clear();
+  reshard_after_forward_done_ = DeviceEvent();
+  post_reduce_done_ = DeviceEvent();
+  training_state_ = TrainingState::kIdle;
 }
 
 int64_t FSDPParamGroup::unsharded_storage_bytes() const {

@@ -33,17 +33,31 @@ struct FSDPCommContext {
   // Groups in the order their post-forward ran, for implicit backward
   // prefetch (each backward prefetches the group that ran before it).
   std::vector<FSDPParamGroup*> post_forward_order;
-  // [Note: all-gather output lifetime] The last copied-out all-gather output
-  // and the event after its copy-out. The output was allocated on the
-  // all-gather stream, so it is kept alive until the next copy-in (on that
-  // stream's side) has waited for the event; only then may the caching
-  // allocator reuse it.
+  // [Note: all-gather output lifetime] The last all-gather output copied out
+  // in forward and the event after its copy-out (FSDP2's all_gather_state).
+  // The output was allocated on the all-gather stream, so it is kept alive
+  // until the next copy-in has waited for the event (the next copy-out then
+  // overlaps that all-gather); only then may the caching allocator reuse it.
+  // Released at the root's post-forward and when backward starts.
   at::Tensor last_all_gather_output;
   DeviceEvent last_all_gather_done;
-  // The last reduce-scatter's input, kept alive until the next one starts for
-  // the same reason, and the event after it.
-  at::Tensor last_reduce_scatter_input;
-  DeviceEvent last_reduce_scatter_done;
+  // Makes the all-gather streams wait for the last copy-out and frees its
+  // all-gather output.
+  void release_all_gather_state();
+
+  // [Note: bounded reductions] At most two groups' unreduced gradients are
+  // alive: the group in post-backward and the one before it. CUDA (FSDP2's
+  // reduce_scatter_state): the reduce-scatter input is made from the
+  // gradients on the current stream, which then waits for the previous
+  // reduce-scatter before the next copy-in, and the previous input is freed
+  // at that point. Gloo: the previous group's reduce-scatter is completed
+  // (waited, its input freed) before the next one is issued.
+  at::Tensor reduce_scatter_input;
+  DeviceEvent reduce_scatter_done;
+  FSDPParamGroup* pending_reduce_group = nullptr;  // CPU: the one not yet completed
+  // Waits (host on CPU, current stream on CUDA) for the last reduce-scatter
+  // issued and frees its input.
+  void wait_for_last_reduce_scatter();
 };
 
 // An issued all-gather.
@@ -52,6 +66,7 @@ struct AllGatherResult {
   collectives::Work work;
   DeviceEvent copy_in_done;
   std::optional<c10::Stream> all_gather_stream;
+  bool async_op = false;
 };
 
 // A reduce-scatter issued in post-backward, completed later (see
@@ -76,7 +91,29 @@ struct GroupSettings {
   std::optional<double> gradient_divide_factor;
   bool force_sum_reduction = false;
   std::function<void(at::Tensor&)> reduced_grad_hook;
+  std::optional<c10::Stream> reduced_grad_hook_stream;
 };
+
+// How a group's gradients are reduced (FSDP2's _get_gradient_divide_factors):
+// the collectives' ops and the divisions done before and after them, so that
+// gradients are averaged over the data-parallel world (or divided by the
+// divide factor). fp32 and bf16 use the collectives' own AVG / PREMUL_SUM;
+// other dtypes (fp16) sum with a division split around the collective to
+// avoid overflow; a data-parallel world of one sums (NCCL's AVG at one rank
+// is unreliable, pytorch#144045).
+struct ReduceOps {
+  collectives::ReduceOp reduce_scatter = collectives::ReduceOp::sum();
+  collectives::ReduceOp all_reduce = collectives::ReduceOp::sum();
+  double pre_divide = 1.0;
+  double post_divide = 1.0;
+};
+// `replicate_size` is 1 without HSDP.
+ReduceOps gradient_reduce_ops(int64_t shard_size, int64_t replicate_size, c10::ScalarType reduce_dtype,
+                              std::optional<double> divide_factor, bool force_sum);
+// What a reduce-scatter with `op` really runs on `backend` at `world` ranks,
+// for the debug log: Gloo computes AVG and PREMUL_SUM as SUM plus a local
+// scaling.
+std::string describe_reduce(const collectives::ReduceOp& op, collectives::BackendKind backend, int64_t world);
 
 class FSDPParamGroup {
  public:
@@ -118,6 +155,10 @@ class FSDPParamGroup {
   void pre_backward(bool default_prefetch);
   void post_backward();
   void finalize_backward();
+  // Drops every in-flight operation and per-iteration state (after an
+  // exception mid-step): waits for issued collectives, reshards, and clears
+  // unreduced gradients.
+  void reset_iter_state();
   // Completes a pending reduce-scatter: waits, divides, runs the hook and
   // adds the result to the sharded gradients.
   void wait_for_post_backward();
@@ -131,10 +172,7 @@ class FSDPParamGroup {
   void to_unsharded();
   void backward_prefetch();
   void register_post_backward(TensorRefs& inputs);
-  // The reduce-scatter and all-reduce ops and the division left to do after
-  // them, so that gradients are averaged over the data-parallel world (or
-  // divided by the divide factor) on every backend.
-  void reduce_ops(collectives::ReduceOp* reduce_scatter, collectives::ReduceOp* all_reduce, double* post_divide) const;
+  ReduceOps reduce_ops() const;
 
   std::vector<std::unique_ptr<FSDPParam>> params_;
   DeviceMesh mesh_;
@@ -157,6 +195,10 @@ class FSDPParamGroup {
   std::vector<size_t> post_forward_indices_;
   std::optional<PendingReduce> pending_reduce_;
   DeviceEvent post_reduce_done_;
+  // kShardedPostForward: post_forward_shard_ was made on the current stream
+  // and is read by the next copy-in on another stream (seed 003's
+  // _reshard_after_forward_event).
+  DeviceEvent reshard_after_forward_done_;
   // Lets the post-backward autograd node find this group while it lives.
   std::shared_ptr<FSDPParamGroup*> self_ref_;
 };

@@ -92,7 +92,10 @@ void FSDPState::pre_forward(TensorRefs& inputs) {
   }
   training_state_ = TrainingState::kForward;
   lazy_init();
-  if (*is_root_) root_pre_forward(inputs);
+  // Whichever state runs forward first in an iteration does the root's
+  // pre-forward work, a sharded submodule called on its own included
+  // (FSDP2's iter_forward_root).
+  root_pre_forward(inputs);
   if (mp_policy_.param_dtype && mp_policy_.cast_forward_inputs) {
     PhaseScope cast("FSDP::cast_forward_inputs");
     for (at::Tensor* t : inputs) {
@@ -114,11 +117,13 @@ void FSDPState::root_pre_forward(TensorRefs& inputs) {
   PhaseScope phase("FSDP::root_pre_forward");
   StreamSet& streams = ctx_->comm.streams;
   if (streams.enabled()) {
-    // The next all-gathers read the shards the optimizer just updated.
-    if (post_optim_event) {
-      post_optim_event->block(*streams.all_gather_copy_in());
-      post_optim_event->block(*streams.all_gather());
-      post_optim_event.reset();
+    // The next all-gathers read the shards the optimizer just updated. The
+    // event is the root's, whichever module runs first.
+    std::shared_ptr<c10::Event>& event = is_root_.value_or(false) ? post_optim_event : top()->post_optim_event;
+    if (event) {
+      event->block(*streams.all_gather_copy_in());
+      event->block(*streams.all_gather());
+      event.reset();
     } else {
       StreamSet::wait_stream(streams.all_gather_copy_in(), streams.current_stream());
       StreamSet::wait_stream(streams.all_gather(), streams.current_stream());
@@ -127,7 +132,9 @@ void FSDPState::root_pre_forward(TensorRefs& inputs) {
   if (device_.type() != c10::kCPU) {
     PhaseScope to_device("FSDP::inputs_to_device");
     for (at::Tensor* t : inputs) {
-      if (t->defined() && t->device() != device_) *t = t->to(device_, /*non_blocking=*/true);
+      // Blocking, as FSDP2 (and DDP): a caller may reuse a pinned input
+      // buffer as soon as the forward returns.
+      if (t->defined() && t->device() != device_) *t = t->to(device_, /*non_blocking=*/false);
     }
   }
 }
@@ -143,6 +150,9 @@ void FSDPState::post_forward(TensorRefs& outputs) {
   if (c10::GradMode::is_enabled()) register_pre_backward_hooks(outputs);
   training_state_ = TrainingState::kIdle;
   if (ctx_->iter_forward_root == this) {
+    // The last all-gather output is not needed through the loss and the
+    // optimizer step (FSDP2 frees it here too).
+    ctx_->comm.release_all_gather_state();
     ctx_->iter_forward_root = nullptr;
     check_no_call_around_hooks();
   }
@@ -222,6 +232,9 @@ void FSDPState::prefetch_unshard(FSDPParamGroup* target, TrainingState state) {
 void FSDPState::register_final_callback() {
   if (ctx_->post_backward_final_callback_queued) return;
   ctx_->post_backward_final_callback_queued = true;
+  // Backward starts: a forward that ended outside the root's post-forward
+  // (several roots' outputs, an exception) may have left it.
+  ctx_->comm.release_all_gather_state();
   std::shared_ptr<FSDPState> root;
   for (const auto& w : ctx_->all_states) {
     if (auto s = w.lock(); s && s->is_root_.value_or(false)) root = s;
@@ -258,8 +271,24 @@ void FSDPState::root_post_backward_final_callback() {
     // Without gradient sync it stays unsharded for the next micro-batch.
     if (g->is_unsharded() && g->settings().reduce_grads) g->reshard();
   }
+  ctx_->comm.wait_for_last_reduce_scatter();
   ctx_->comm.post_forward_order.clear();
-  ctx_->comm.last_reduce_scatter_input = at::Tensor();
+}
+
+void FSDPState::reset_iter_state() {
+  if (!ctx_) return;
+  for (const auto& w : ctx_->all_states) {
+    auto s = w.lock();
+    if (!s) continue;
+    s->training_state_ = TrainingState::kIdle;
+    if (s->group_) s->group_->reset_iter_state();
+  }
+  ctx_->comm.release_all_gather_state();
+  ctx_->comm.wait_for_last_reduce_scatter();
+  ctx_->comm.pending_reduce_group = nullptr;
+  ctx_->comm.post_forward_order.clear();
+  ctx_->iter_forward_root = nullptr;
+  ctx_->post_backward_final_callback_queued = false;
 }
 
 }  // namespace fsdp::detail

@@ -64,6 +64,11 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   std::vector<std::weak_ptr<FSDPState>> backward_prefetch;
   std::shared_ptr<c10::Event> post_optim_event;
   bool is_last_backward = true;
+  // An explicit set_reshard_after_forward: lazy init keeps it for the root.
+  void clear_auto_reshard_after_forward() { auto_reshard_after_forward_ = false; }
+  // After an exception mid-step: every state of this root's tree back to
+  // idle, collectives in flight completed, unreduced gradients dropped.
+  void reset_iter_state();
 
  private:
   void root_pre_forward(TensorRefs& inputs);

@@ -24,6 +24,25 @@ namespace {
 
 std::string describe(const torch::nn::Module& m) { return m.name(); }
 
+}  // namespace
+
+std::vector<std::shared_ptr<FSDPState>> all_states();
+
+// Where `module` is within the outermost sharded module that contains it
+// (its FQN), or "" when no enclosing module is sharded yet.
+std::string fqn_in_sharded_roots(const torch::nn::Module& module) {
+  for (const auto& s : all_states()) {
+    if (s->parent()) continue;
+    auto root = s->module();
+    for (const auto& item : root->named_modules(/*name_prefix=*/"", /*include_self=*/false)) {
+      if (item.value().get() == &module) return item.key();
+    }
+  }
+  return "";
+}
+
+namespace {
+
 c10::Device mesh_device(const DeviceMesh& mesh) {
   if (mesh.device_type() == c10::kCPU) return c10::Device(c10::kCPU);
   const auto* impl = c10::impl::getDeviceGuardImpl(mesh.device_type());
@@ -99,8 +118,12 @@ std::shared_ptr<collectives::Communicator> post_forward_group(const DeviceMesh& 
 FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, const FullyShardOptions& options) {
   TORCH_CHECK(module, "fully_shard: the module is null");
   const std::string name = detail::describe(*module);
-  TORCH_CHECK(!detail::state_of(*module), "fully_shard: already applied to module '", name,
-              "'; apply it once per module");
+  if (detail::state_of(*module)) {
+    const std::string fqn = detail::fqn_in_sharded_roots(*module);
+    TORCH_CHECK(false, "fully_shard: already applied to ",
+                fqn.empty() ? "this " + name + " module" : "module '" + fqn + "' (" + name + ")",
+                "; apply it once per module: to each block, then once to the root");
+  }
   const auto& mp = options.mp_policy;
   TORCH_CHECK(!mp.param_dtype || c10::isFloatingType(*mp.param_dtype), "fully_shard: module '", name,
               "': MixedPrecisionPolicy::param_dtype must be a floating-point type, got ", *mp.param_dtype);
@@ -129,7 +152,15 @@ FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, const F
   detail::check_mesh(*mesh, name);
   const c10::Device device = detail::mesh_device(*mesh);
 
-  // Parameters already managed by sharded submodules stay theirs.
+  // Parameters already managed by sharded submodules stay theirs; ignored
+  // ones are left to the user.
+  std::unordered_set<const c10::TensorImpl*> ignored;
+  for (const auto& p : options.ignored_params) {
+    TORCH_CHECK(p.defined(), "fully_shard: module '", name,
+                "': FullyShardOptions::ignored_params has an undefined "
+                "tensor; pass the module's parameters to leave unsharded");
+    ignored.insert(p.unsafeGetTensorImpl());
+  }
   std::unordered_set<const c10::TensorImpl*> managed;
   for (const auto& child : children) {
     if (!child->group()) continue;
@@ -141,14 +172,24 @@ FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, const F
     const at::Tensor& p = item.value();
     TORCH_CHECK(p.defined(), "fully_shard: parameter '", item.key(), "' of module '", name,
                 "' is undefined; initialize every parameter before sharding");
-    if (managed.count(p.unsafeGetTensorImpl())) continue;
+    if (managed.count(p.unsafeGetTensorImpl()) || ignored.count(p.unsafeGetTensorImpl())) continue;
     for (const auto& any : detail::all_states()) {
       if (!any->group()) continue;
       for (const auto& fp : any->group()->params()) {
-        TORCH_CHECK(fp->param().unsafeGetTensorImpl() != p.unsafeGetTensorImpl(), "fully_shard: parameter '",
-                    item.key(), "' of module '", name,
+        if (fp->param().unsafeGetTensorImpl() != p.unsafeGetTensorImpl()) continue;
+        bool enclosing = false;
+        for (const auto& m : any->module()->modules(/*include_self=*/false)) enclosing |= m.get() == module.get();
+        TORCH_CHECK(!enclosing, "fully_shard: parameter '", item.key(), "' of module '", name,
                     "' is already sharded by fully_shard on an enclosing module. Apply fully_shard to submodules "
                     "first, then to their parents and the root.");
+        // [Note: ties] A parameter lives in one group: FSDP2 shards it with
+        // the first module that takes it, which breaks when another group
+        // uses it; here that is refused.
+        TORCH_CHECK(false, "fully_shard: parameter '", item.key(), "' of module '", name,
+                    "' is shared (tied) with module '", any->module()->name(),
+                    "', which fully_shard already sharded as its own group. A tied parameter must belong to one "
+                    "group: apply fully_shard to a common ancestor of both modules instead of to each (the root "
+                    "takes every parameter not in a sharded submodule), or untie the parameters.");
       }
     }
   }
@@ -159,7 +200,15 @@ FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, const F
   for (const auto& item : module->named_parameters(/*recurse=*/true)) {
     const at::Tensor& p = item.value();
     const auto* impl = p.unsafeGetTensorImpl();
-    if (managed.count(impl) || !seen.insert(impl).second) continue;  // shared (tied) once
+    if (managed.count(impl) || ignored.count(impl) || !seen.insert(impl).second) continue;  // tied: once
+    // An optimizer that stepped before sharding leaves full-shape gradients
+    // (and state) that no longer match the sharded parameter.
+    TORCH_CHECK(!p.grad().defined(), "fully_shard: parameter '", item.key(), "' of module '", name,
+                "' already has a gradient (shape ", p.grad().sizes(),
+                "): a backward or an optimizer step ran before fully_shard. Shard first: apply fully_shard before "
+                "any backward, then build the optimizer over the sharded parameters (an optimizer built or "
+                "stepped before keeps state of the unsharded shape). To keep the model, call "
+                "optimizer.zero_grad() (or reset each parameter's grad) before fully_shard.");
     TORCH_CHECK(p.device().type() == device.type() && (device.type() == c10::kCPU || p.device() == device),
                 "fully_shard: parameter '", item.key(), "' of module '", name, "' is on ", p.device(),
                 " but the mesh's device is ", device, "; move the module to ", device, " before sharding");
@@ -252,12 +301,17 @@ void FSDPModule::reshard() {
 
 void FSDPModule::set_requires_gradient_sync(bool requires_gradient_sync, bool recurse) {
   for_each_state(state_, recurse, [&](FSDPState& s) {
-    if (s.group()) s.group()->settings().reduce_grads = requires_gradient_sync;
+    if (!s.group()) return;
+    // As FSDP2: for HSDP this controls the all-reduce too.
+    s.group()->settings().reduce_grads = requires_gradient_sync;
+    s.group()->settings().all_reduce_grads = requires_gradient_sync;
   });
 }
 
 void FSDPModule::set_reshard_after_forward(bool reshard_after_forward, bool recurse) {
   for_each_state(state_, recurse, [&](FSDPState& s) {
+    // Kept over lazy init's default for the root.
+    s.clear_auto_reshard_after_forward();
     if (!s.group()) return;
     s.group()->settings().reshard_after_forward = reshard_after_forward;
     s.group()->clear_post_forward_comm();
@@ -304,20 +358,26 @@ void FSDPModule::set_post_optim_event(std::shared_ptr<c10::Event> event) {
 
 void FSDPModule::set_gradient_divide_factor(double factor) {
   TORCH_CHECK(factor > 0, "set_gradient_divide_factor: the factor must be positive, got ", factor);
-  for_each_state(state_, true, [&](FSDPState& s) {
-    if (s.group()) s.group()->settings().gradient_divide_factor = factor;
-  });
+  if (auto* g = state_->group()) g->settings().gradient_divide_factor = factor;
 }
 
 void FSDPModule::set_force_sum_reduction_for_comms(bool force_sum) {
-  for_each_state(state_, true, [&](FSDPState& s) {
-    if (s.group()) s.group()->settings().force_sum_reduction = force_sum;
-  });
+  if (auto* g = state_->group()) g->settings().force_sum_reduction = force_sum;
 }
 
-void FSDPModule::set_all_reduce_hook(std::function<void(at::Tensor&)> hook) {
-  if (auto* g = state_->group()) g->settings().reduced_grad_hook = std::move(hook);
+void FSDPModule::set_all_reduce_hook(std::function<void(at::Tensor&)> hook, std::optional<c10::Stream> stream) {
+  TORCH_CHECK(!stream || state_->mesh().ndim() == 1,
+              "set_all_reduce_hook: a stream was given, but module's mesh is 2-D (HSDP), where the hook runs on "
+              "the HSDP all-reduce stream after the all-reduce; pass no stream");
+  TORCH_CHECK(!stream || stream->device_type() == state_->device().type(), "set_all_reduce_hook: the stream is on ",
+              stream->device(), " but the module is sharded on ", state_->device());
+  auto* g = state_->group();
+  if (!g) return;
+  g->settings().reduced_grad_hook = std::move(hook);
+  g->settings().reduced_grad_hook_stream = stream;
 }
+
+void FSDPModule::reset_iter_state() { state_->top()->reset_iter_state(); }
 
 void FSDPModule::set_is_last_backward(bool is_last_backward) { state_->top()->is_last_backward = is_last_backward; }
 

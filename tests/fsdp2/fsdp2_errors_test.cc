@@ -44,7 +44,20 @@ TEST(FullyShardErrors, MisuseGivesClearErrors) {
       SCOPED_TRACE("twice on one module");
       auto model = std::static_pointer_cast<MLP>(make_model(ModelKind::kMlp));
       fully_shard(model->b0, mesh_options(ctx));
-      EXPECT_THROW_WITH(fully_shard(model->b0, mesh_options(ctx)), "already applied");
+      EXPECT_THROW_WITH(fully_shard(model->b0, mesh_options(ctx)), "already applied", "MLPBlockImpl");
+      fully_shard(model, mesh_options(ctx));
+      // Once the enclosing module is sharded, the message says where it is.
+      EXPECT_THROW_WITH(fully_shard(model->b0, mesh_options(ctx)), "already applied to module 'b0'");
+    }
+    {
+      SCOPED_TRACE("an optimizer stepped before fully_shard");
+      auto model = std::static_pointer_cast<MLP>(make_model(ModelKind::kMlp));
+      torch::optim::AdamW optim(model->parameters(), torch::optim::AdamWOptions(1e-2));
+      const Batch batch = make_batch(ModelKind::kMlp, 0, 12);
+      model->forward(batch.x, batch.y).backward();
+      optim.step();
+      EXPECT_THROW_WITH(fully_shard(model->b0, mesh_options(ctx)), "'fc.weight'", "already has a gradient",
+                        "optimizer step ran before fully_shard", "build the optimizer over the sharded parameters");
     }
     {
       SCOPED_TRACE("parameter on the wrong device");

@@ -63,6 +63,31 @@ TEST(Fsdp2Gpu, NcclAtWorldSizeOne) {
   });
 }
 
+// A sharded block called on its own does the root's pre-forward work: the
+// CPU input is moved to the GPU (blocking), and the all-gather streams wait
+// for the optimizer step.
+TEST(Fsdp2Gpu, InnerBlockOnItsOwnMovesInputsToTheDevice) {
+  FSDP2CPP_SKIP_WITHOUT_CUDA();
+  testing::DistributedTestOptions options;
+  options.world_size = 1;
+  options.device_type = c10::kCUDA;
+  testing::run_distributed(options, [](testing::RankContext& ctx) {
+    auto reference = std::static_pointer_cast<Transformer>(make_model(ModelKind::kTransformer));
+    auto model = std::static_pointer_cast<Transformer>(make_model(ModelKind::kTransformer));
+    model->to(ctx.device());
+    FullyShardOptions fs;
+    fs.mesh = ctx.mesh();
+    for (auto& block : model->blocks()) fully_shard(block, fs);
+    fully_shard(model, fs);
+    const Batch batch = make_batch(ModelKind::kTransformer, 0, 4);
+    call_module(*model, batch.x.to(ctx.device()), batch.y.to(ctx.device())).backward();
+    at::Tensor h = at::randn({2, Transformer::kSeq, Transformer::kDim});
+    at::Tensor out = call_module(*model->blocks_[1], h);
+    EXPECT_EQ(out.device(), ctx.device());
+    expect_close(out.cpu(), reference->blocks_[1]->forward(h), "blocks[1] alone", 1e-4, 1e-5);
+  });
+}
+
 TEST(Fsdp2Gpu, GlooOnCudaTensorsAtWorldSizesTwoAndThree) {
   FSDP2CPP_SKIP_WITHOUT_CUDA();
   for (int world : {2, 3}) {

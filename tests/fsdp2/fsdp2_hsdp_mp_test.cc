@@ -41,8 +41,11 @@ void expect_hsdp_matches_reference(testing::RankContext& ctx, const Controls& c)
   }
   // Accepted everywhere; on CPU there are no streams to order.
   root.set_post_optim_event(std::make_shared<c10::Event>(c10::kCPU));
-  if (c.divide_factor) root.set_gradient_divide_factor(*c.divide_factor);
-  if (c.force_sum) root.set_force_sum_reduction_for_comms(true);
+  // Both apply to one module's group (as in FSDP2): set them on every one.
+  for (auto& m : modules) {
+    if (c.divide_factor) m.set_gradient_divide_factor(*c.divide_factor);
+    if (c.force_sum) m.set_force_sum_reduction_for_comms(true);
+  }
   torch::optim::AdamW optim(model->parameters(), torch::optim::AdamWOptions(1e-2));
   torch::optim::AdamW ref_optim(reference->parameters(), torch::optim::AdamWOptions(1e-2));
   // A divide factor f instead of the world size W scales the gradients by
@@ -247,8 +250,42 @@ TEST(HsdpErrors, BadMeshesAndOptionsGiveClearErrors) {
     o.reshard_after_forward = 3;
     EXPECT_THROW_WITH(fully_shard(MLPBlock(7, 5), o), "reshard_after_forward=3", "must divide the shard size 4");
     o.reshard_after_forward = std::nullopt;
+    FullyShardOptions two_d;
+    two_d.mesh = init_device_mesh(world, c10::kCPU, {2, 2}, {"replicate", "shard"});
+    FSDPModule hsdp = fully_shard(MLPBlock(7, 5), two_d);
+    EXPECT_THROW_WITH(hsdp.set_all_reduce_hook([](at::Tensor&) {}, c10::Stream(c10::Stream::DEFAULT, c10::kCPU)),
+                      "2-D (HSDP)", "pass no stream");
     o.mp_policy.param_dtype = at::kInt;
     EXPECT_THROW_WITH(fully_shard(MLPBlock(7, 5), o), "param_dtype must be a floating-point type");
+  });
+}
+
+// As in FSDP2, set_requires_gradient_sync(true) turns the HSDP all-reduce
+// back on (it controls both reductions): the gradients are complete.
+TEST(HsdpControls, RequiresGradientSyncAlsoSetsTheAllReduce) {
+  testing::DistributedTestOptions options;
+  options.world_size = 4;
+  options.mesh_shape = {2, 2};
+  options.mesh_dim_names = {"replicate", "shard"};
+  testing::run_distributed(options, [](testing::RankContext& ctx) {
+    auto reference = make_model(ModelKind::kMlp);
+    auto model = make_model(ModelKind::kMlp);
+    FullyShardOptions fs;
+    fs.mesh = ctx.mesh();
+    for (auto& block : model->blocks()) fully_shard(block, fs);
+    FSDPModule root = fully_shard(model, fs);
+    root.set_requires_all_reduce(false);
+    root.set_requires_gradient_sync(true);
+    const Batch batch = make_batch(ModelKind::kMlp, 0, 12);
+    reference->forward(batch.x, batch.y).backward();
+    const Batch local = batch.slice(ctx.rank(), ctx.world_size());
+    call_module(*model, local.x, local.y).backward();
+    auto ref_params = reference->named_parameters();
+    for (const auto& item : model->named_parameters()) {
+      const at::Tensor& ref_grad = ref_params[item.key()].grad();
+      ASSERT_TRUE(item.value().grad().defined()) << item.key();
+      expect_close(full_param(item.value().grad(), ref_grad.sizes().vec(), ctx.mesh()), ref_grad, item.key());
+    }
   });
 }
 

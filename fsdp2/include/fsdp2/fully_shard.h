@@ -118,6 +118,12 @@ struct FullyShardOptions {
   std::optional<ReshardAfterForward> reshard_after_forward;
   MixedPrecisionPolicy mp_policy;
   OffloadPolicy offload_policy;
+  // Parameters of the module that fully_shard leaves alone (FSDP2's
+  // ignored_params): not sharded, not all-gathered, and their gradients are
+  // not reduced (each rank keeps its local gradient; synchronize them
+  // yourself if they are trained). They stay full on every rank. Pass them to
+  // every fully_shard call whose module contains them, the root's included.
+  std::vector<at::Tensor> ignored_params;
 };
 
 namespace detail {
@@ -156,6 +162,13 @@ class UnshardHandle {
 // The handle of a module that fully_shard was applied to: FSDP2's FSDPModule
 // methods. Cheap to copy; all copies refer to the same state, which lives as
 // long as the module does.
+//
+// Gradients: as in FSDP2, a parameter's post-accumulate-grad hooks
+// (torch::autograd::impl::set_post_acc_grad_hooks, e.g. an optimizer step in
+// backward) run once its sharded gradient is reduced and set, with the
+// sharded parameter; autograd's accumulation of the full gradient does not
+// run them. Memory: backward keeps at most two groups' unreduced gradients
+// alive (the group being reduced and the one before it).
 class FSDPModule {
  public:
   // The sharded module.
@@ -172,10 +185,14 @@ class FSDPModule {
   void reshard();
 
   // Whether backward reduces gradients (false: accumulate unsharded gradients
-  // locally, as for gradient accumulation without communication).
+  // locally, in the reduce dtype, as for gradient accumulation without
+  // communication). For HSDP it sets the all-reduce too, as
+  // set_requires_all_reduce(requires_gradient_sync) would.
   void set_requires_gradient_sync(bool requires_gradient_sync, bool recurse = true);
   // Whether to free the unsharded parameters after forward. Only for
-  // non-root modules in FSDP2's default; allowed on any.
+  // non-root modules in FSDP2's default; allowed on any, and kept for the
+  // root when set before its first forward (lazy init then does not apply
+  // the root's default).
   void set_reshard_after_forward(bool reshard_after_forward, bool recurse = true);
   // HSDP: whether backward all-reduces the reduce-scattered gradients across
   // replicas (false: keep the partial result, added to the next backward
@@ -191,24 +208,44 @@ class FSDPModule {
   // (replaces the implicit previous-module prefetch).
   void set_modules_to_backward_prefetch(const std::vector<FSDPModule>& modules);
   // Whether to unshard in backward (false for modules whose parameters are
-  // not used in backward, e.g. embeddings whose output is not differentiated).
+  // not needed by their backward, e.g. embeddings). Gradients autograd still
+  // computes for them (an embedding's needs only the indices) are reduced as
+  // any other (pytorch#137922).
   void set_unshard_in_backward(bool unshard_in_backward);
   // The root waits for this event instead of the whole current stream before
   // the next forward's first all-gather (CUDA; ignored on CPU).
   void set_post_optim_event(std::shared_ptr<c10::Event> event);
-  // Gradients are divided by `factor` instead of the data-parallel world size.
+  // This module's gradients are divided by `factor` instead of the
+  // data-parallel world size. Applies to this module's group only (call it
+  // on every module to change them all), as in FSDP2.
   void set_gradient_divide_factor(double factor);
   // Reduce with SUM collectives and divide locally (never AVG/PREMUL_SUM),
-  // for the reduce-scatter and the HSDP all-reduce alike.
+  // for the reduce-scatter and the HSDP all-reduce alike. Applies to this
+  // module's group only, as in FSDP2.
   void set_force_sum_reduction_for_comms(bool force_sum);
-  // Called on each group's reduced gradient shard buffer (reduce dtype, the
-  // group's padded chunks) after the reduce-scatter, the HSDP all-reduce and
-  // the division, on the reduction's stream on CUDA, before it becomes the
-  // parameters' .grad. Applies to this module's group only.
-  void set_all_reduce_hook(std::function<void(at::Tensor&)> hook);
+  // Called on each reduced gradient shard buffer of this module's group
+  // (reduce dtype, the group's padded chunks) after the reduce-scatter and
+  // the HSDP all-reduce, before any division left to do locally (with
+  // set_force_sum_reduction_for_comms the hook sees the sum) and before it
+  // becomes the parameters' .grad. Applies to this module's group only; an
+  // empty hook removes it.
+  // Streams (CUDA): the hook runs on `stream` when given, else on the
+  // runtime's all-reduce stream, after the reduction. REQUIRES: no `stream`
+  // on a 2-D (HSDP) mesh, where the hook runs on the all-reduce's stream; a
+  // stream of the module's device type (ignored on CPU). Throws otherwise.
+  void set_all_reduce_hook(std::function<void(at::Tensor&)> hook, std::optional<c10::Stream> stream = std::nullopt);
   // Whether the next backward is the last before the optimizer step (false
   // skips the end-of-backward waits that only the last backward needs).
   void set_is_last_backward(bool is_last_backward);
+
+  // Recovers the whole FSDP tree this module belongs to after an exception
+  // thrown mid-step (in a forward, the loss or backward): completes the
+  // collectives in flight, reshards every module, drops the gradients of the
+  // failed step that were not reduced yet (also those kept by
+  // set_requires_gradient_sync(false)) and resets every module to idle.
+  // Sharded gradients already reduced stay: call the optimizer's zero_grad
+  // before redoing the step. A no-op before the first forward.
+  void reset_iter_state();
 
   // Counters of the whole FSDP tree this module belongs to (since the last
   // reset_runtime_stats). Zero before the first forward.
