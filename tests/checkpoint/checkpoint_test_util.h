@@ -20,21 +20,11 @@
 #include "device_mesh/dtensor.h"
 #include "device_mesh/state_dict.h"
 #include "fsdp_testing/distributed_test.h"
+#include "fsdp_testing/expect_error.h"
 
-// Asserts that `statement` throws a c10::Error whose message contains every
-// one of the fragments.
-#define CKPT_EXPECT_THROW_WITH(statement, ...)                                       \
-  do {                                                                               \
-    try {                                                                            \
-      statement;                                                                     \
-      ADD_FAILURE() << "expected an error from: " #statement;                        \
-    } catch (const c10::Error& e) {                                                  \
-      for (const char* fragment : {__VA_ARGS__}) {                                   \
-        EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos)           \
-            << "message lacks '" << fragment << "': " << e.what_without_backtrace(); \
-      }                                                                              \
-    }                                                                                \
-  } while (false)
+// FSDP2CPP_EXPECT_THROW_WITH (fsdp_testing/expect_error.h), under the name
+// these tests have always used.
+#define CKPT_EXPECT_THROW_WITH(...) FSDP2CPP_EXPECT_THROW_WITH(__VA_ARGS__)
 
 namespace ckpt_test {
 

@@ -59,17 +59,9 @@ class ScratchTree {
   std::string path_;
 };
 
-// Global batch 6: divisible by world sizes 1, 2 and 3.
+// small_run_flags (run_binary.h) at `nproc` ranks.
 std::vector<std::string> run_flags(const std::string& json, int nproc) {
-  std::vector<std::string> flags = {"--steps",        std::to_string(kSteps),
-                                    "--global-batch", "6",
-                                    "--seq-len",      "32",
-                                    "--layers",       "2",
-                                    "--dim",          "32",
-                                    "--heads",        "4",
-                                    "--seed",         "7",
-                                    "--warmup",       "5",
-                                    "--json",         json};
+  std::vector<std::string> flags = small_run_flags(json, kSteps);
   if (nproc > 1) flags.insert(flags.end(), {"--nproc", std::to_string(nproc)});
   return flags;
 }

@@ -14,19 +14,6 @@ namespace {
 
 constexpr int kSteps = 20;
 
-// A small model and a global batch of 6 rows (divisible by 1, 2 and 3).
-std::vector<std::string> small_run_flags(const std::string& json) {
-  return {"--steps",        std::to_string(kSteps),
-          "--global-batch", "6",
-          "--seq-len",      "32",
-          "--layers",       "2",
-          "--dim",          "32",
-          "--heads",        "4",
-          "--seed",         "7",
-          "--warmup",       "5",
-          "--json",         json};
-}
-
 TrainRecord train(ScratchDir& dir, int world_size, bool use_launcher) {
   const std::string json = dir.file("world" + std::to_string(world_size) + ".json");
   std::vector<std::string> args = small_run_flags(json);

@@ -106,6 +106,20 @@ class ScratchDir {
   std::vector<std::string> files_;
 };
 
+// The trainer tests' small run: 2 blocks of dim 32, `steps` steps, a global
+// batch of 6 rows (divisible by 1, 2 and 3), per-step losses to `json`.
+inline std::vector<std::string> small_run_flags(const std::string& json, int steps = 20) {
+  return {"--steps",        std::to_string(steps),
+          "--global-batch", "6",
+          "--seq-len",      "32",
+          "--layers",       "2",
+          "--dim",          "32",
+          "--heads",        "4",
+          "--seed",         "7",
+          "--warmup",       "5",
+          "--json",         json};
+}
+
 // The parts of fsdp_train's --json record the tests check.
 struct TrainRecord {
   int world_size = -1;

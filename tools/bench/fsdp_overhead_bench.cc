@@ -37,7 +37,7 @@
 #include "device_mesh/device_mesh.h"
 #include "fsdp2/fully_shard.h"
 #include "fsdp2/module_call.h"
-#include "launcher.h"
+#include "launch/launch.h"
 
 ABSL_FLAG(int, nproc, 1, "ranks");
 ABSL_FLAG(int64_t, groups, 64, "fully_shard groups (tiny Linear modules)");
@@ -156,7 +156,7 @@ int main(int argc, char** argv) {
   const std::string result_file = dir.file("ours.json");
   std::vector<std::string> rank_args = fsdp_train::remove_flag(fsdp_train::remove_flag(args, "nproc"), "result_file");
   rank_args.push_back("--result_file=" + result_file);
-  if (const int rc = fsdp_train::launch_local_ranks(nproc, rank_args); rc != 0) {
+  if (const int rc = fsdp::launch::launch_local_ranks(nproc, rank_args); rc != 0) {
     std::fprintf(stderr, "fsdp_overhead_bench: the fsdp2cpp ranks failed (exit code %d)\n", rc);
     return 1;
   }
