@@ -108,6 +108,17 @@ TEST(FsdpTrainCheckpoint, ResumeAtTheSameWorldSizeIsBitExact) {
   EXPECT_TRUE(exists(saves + "/step-10/manifest.json"));
   EXPECT_TRUE(exists(saves + "/step-10/model/shard-00002-model-00001-of-00001.safetensors"));
   EXPECT_TRUE(exists(saves + "/step-10/optim/shard-00001-model-00001-of-00001.safetensors"));
+  {
+    std::ifstream manifest(saves + "/step-10/manifest.json");
+    std::string text;  // without spaces and line breaks
+    for (char ch; manifest.get(ch);) {
+      if (ch != ' ' && ch != '\n') text += ch;
+    }
+    for (const char* field :
+         {"\"param_groups\":[{", "\"samples_seen\":60", "\"cpu_rng_state\":\"", "\"world_size\":2"}) {
+      EXPECT_NE(text.find(field), std::string::npos) << "manifest lacks " << field << ": " << text;
+    }
+  }
   const TrainRecord resumed =
       train(with(run_flags(dir / "resumed.json", 2), {"--save-dir", saves, "--resume"}), "resumed run");
   expect_tail_matches(full, resumed, 0.0);

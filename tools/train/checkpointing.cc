@@ -6,9 +6,13 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <mutex>
 #include <stdexcept>
 #include <vector>
 
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/Generator.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/tensor.h>
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
@@ -44,6 +48,39 @@ void print_progress(const Communicator& group, const char* what, const std::stri
 
 // POSIX, not std::filesystem: the torch wheel's libtorch.so exports its own
 // copy of std::filesystem, and calls bind to it (see distributed_test.cc).
+std::string cpu_rng_state_hex() {
+  at::Generator gen = at::detail::getDefaultCPUGenerator();  // a handle: shares the generator
+  at::Tensor state;
+  {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    state = gen.get_state();
+  }
+  static const char* const kDigits = "0123456789abcdef";
+  std::string hex;
+  const auto* bytes = state.data_ptr<uint8_t>();
+  for (int64_t i = 0; i < state.numel(); ++i) {
+    hex += kDigits[bytes[i] >> 4];
+    hex += kDigits[bytes[i] & 15];
+  }
+  return hex;
+}
+
+void set_cpu_rng_state_hex(const std::string& hex, const std::string& where) {
+  TORCH_CHECK(hex.size() % 2 == 0, "--resume: ", where, ": cpu_rng_state is not hex");
+  at::Tensor state = at::empty({static_cast<int64_t>(hex.size() / 2)}, at::kByte);
+  auto* bytes = state.data_ptr<uint8_t>();
+  const auto digit = [&](char c) -> uint8_t {
+    if (c >= '0' && c <= '9') return static_cast<uint8_t>(c - '0');
+    TORCH_CHECK(c >= 'a' && c <= 'f', "--resume: ", where, ": cpu_rng_state is not hex");
+    return static_cast<uint8_t>(c - 'a' + 10);
+  };
+  for (size_t i = 0; i < hex.size() / 2; ++i)
+    bytes[i] = static_cast<uint8_t>(digit(hex[2 * i]) << 4 | digit(hex[2 * i + 1]));
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(state);
+}
+
 bool exists(const std::string& path) {
   struct stat st {};
   return ::stat(path.c_str(), &st) == 0;
@@ -82,7 +119,8 @@ void save_checkpoint(const std::string& save_dir, int64_t keep, const TrainingPr
   extra["progress"] = {{"step", progress.step},
                        {"world_size", progress.world_size},
                        {"mesh", progress.mesh},
-                       {"samples_seen", progress.samples_seen}};
+                       {"samples_seen", progress.samples_seen},
+                       {"cpu_rng_state", cpu_rng_state_hex()}};
   const std::string final_dir = writer.commit(extra.dump());
   const int64_t bytes = sum_over_ranks(*group, model_saved.bytes + optim_saved.bytes);
   if (group->rank() == 0 && keep > 0) fsdp::checkpoint::prune_checkpoints(save_dir, keep);
@@ -132,6 +170,8 @@ TrainingProgress resume_from_latest(const std::string& save_dir, torch::nn::Modu
   progress.world_size = p.at("world_size").get<int64_t>();
   progress.mesh = p.at("mesh").get<std::string>();
   progress.samples_seen = p.at("samples_seen").get<int64_t>();
+  progress.cpu_rng_state = p.at("cpu_rng_state").get<std::string>();
+  set_cpu_rng_state_hex(progress.cpu_rng_state, latest->path + "/manifest.json");
   TORCH_CHECK(progress.step == manifest.step, "--resume: ", latest->path, " is step ", manifest.step,
               " but its progress record says ", progress.step);
   const int64_t bytes = sum_over_ranks(*group, model_loaded.bytes_read + optim_loaded.bytes_read);

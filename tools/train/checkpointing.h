@@ -30,6 +30,11 @@ struct TrainingProgress {
   int64_t world_size = 0;    // at save
   std::string mesh;          // at save ("2x2 (replicate, shard)")
   int64_t samples_seen = 0;  // data position: sequences consumed (step * global batch)
+  // The default CPU generator's state (hex), restored on resume. The
+  // trainer draws its batches and initial values from generators of their
+  // own seeded by (seed, step) and (seed, FQN), so this only matters to code
+  // added to the loop that uses the global generator (dropout, say).
+  std::string cpu_rng_state;
 };
 
 // Saves `model` and `optimizer` after `progress.step` steps as
