@@ -190,7 +190,7 @@ TEST(FsdpTrainCheckpoint, KeepPrunesOldCheckpointsAndUnfinishedSavesAreIgnored) 
 TEST(FsdpTrainCheckpoint, CorruptCheckpointIsRefusedNamingTheFile) {
   ScratchTree dir;
   const std::string saves = dir / "saves";
-  train(with(run_flags(dir / "a.json", 1), {"--save-dir", saves, "--stop-after", "3"}), "saving run");
+  train(with(run_flags(dir / "a.json", 2), {"--save-dir", saves, "--stop-after", "3"}), "saving run");
   const std::string victim = saves + "/step-3/model/shard-00001-model-00001-of-00001.safetensors";
   ASSERT_TRUE(exists(victim));
   {
@@ -199,7 +199,7 @@ TEST(FsdpTrainCheckpoint, CorruptCheckpointIsRefusedNamingTheFile) {
     f.write("\x01\x02\x03\x04", 4);
   }
   const RunResult run =
-      run_program(FSDP_TRAIN_BINARY, with(run_flags(dir / "b.json", 1), {"--save-dir", saves, "--resume"}));
+      run_program(FSDP_TRAIN_BINARY, with(run_flags(dir / "b.json", 2), {"--save-dir", saves, "--resume"}));
   EXPECT_NE(run.exit_code, 0);
   EXPECT_NE(run.output.find("shard-00001-model-00001-of-00001.safetensors"), std::string::npos) << run.output;
 }

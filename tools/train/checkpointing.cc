@@ -81,6 +81,25 @@ void set_cpu_rng_state_hex(const std::string& hex, const std::string& where) {
   gen.set_state(state);
 }
 
+// Rank 0 checks `dir`'s files against its manifest (sizes, CRC32) and every
+// rank learns the verdict, so a damaged checkpoint fails all ranks at once
+// instead of leaving the others waiting in the next collective.
+void verify_on_rank0(const std::string& dir, Communicator& group, const char* flag) {
+  std::string error;
+  if (group.rank() == 0) {
+    try {
+      fsdp::checkpoint::verify_checkpoint(dir);
+    } catch (const c10::Error& e) {
+      error = e.what_without_backtrace();
+    }
+  }
+  at::Tensor failed = at::tensor({error.empty() ? 0 : 1}, at::kInt);
+  group.all_reduce(failed, ReduceOp::max()).wait();
+  if (failed.item<int>() == 0) return;
+  TORCH_CHECK(group.rank() != 0, flag, ": ", error);
+  TORCH_CHECK(false, flag, ": rank 0 found '", dir, "' damaged (its message names the file)");
+}
+
 bool exists(const std::string& path) {
   struct stat st {};
   return ::stat(path.c_str(), &st) == 0;
@@ -146,11 +165,8 @@ TrainingProgress resume_from_latest(const std::string& save_dir, torch::nn::Modu
     return progress;
   }
   const auto start = Clock::now();
-  // Rank 0 checks sizes and checksums; the others read the manifest only.
-  const fsdp::checkpoint::CheckpointManifest manifest = group->rank() == 0
-                                                            ? fsdp::checkpoint::verify_checkpoint(latest->path)
-                                                            : fsdp::checkpoint::read_manifest(latest->path);
-  group->barrier().wait();
+  verify_on_rank0(latest->path, *group, "--resume");
+  const fsdp::checkpoint::CheckpointManifest manifest = fsdp::checkpoint::read_manifest(latest->path);
 
   fsdp::StateDict model_sd = fsdp::get_model_state_dict(model);
   const auto model_loaded = fsdp::checkpoint::load_sharded(model_sd, latest->path + "/model");
@@ -193,7 +209,7 @@ void init_model_from(const std::string& dir, torch::nn::Module& model, const std
       if (auto latest = fsdp::checkpoint::find_latest_checkpoint(dir)) source = latest->path;
     }
     if (exists(source + "/manifest.json")) {
-      if (group->rank() == 0) fsdp::checkpoint::verify_checkpoint(source);
+      verify_on_rank0(source, *group, "--init-from");
       source += "/model";
     }
   }
