@@ -330,6 +330,25 @@ std::shared_ptr<Communicator> World::new_group(const std::vector<int>& ranks, c1
                     : c10::str(" (member rank(s) [", join_ranks(missing), "] never called new_group for it)"),
                 ": ", cause_of(e));
   }
+  // Gloo's full-mesh connect can return on one side of a pair before the
+  // other side has finished its handshake; a member that then destroys the
+  // group at once (an error, a group never used, a short program) closes the
+  // socket under its peer, which fails with "Connection closed by peer". So
+  // no member leaves new_group until every member's engine is up.
+  const std::string ready_prefix = "ready/";
+  group_store->set(ready_prefix + std::to_string(group_rank), std::vector<uint8_t>{1});
+  std::vector<std::string> ready_keys;
+  for (size_t i = 0; i < ranks.size(); ++i) ready_keys.push_back(ready_prefix + std::to_string(i));
+  try {
+    group_store->wait(ready_keys, options.timeout);
+  } catch (const std::exception& e) {
+    const std::vector<int> missing = missing_of(group_store, ready_keys, ranks);
+    TORCH_CHECK(false, "fsdp2cpp: new_group: creating ", name, " on ", description_, " failed on rank ", rank_,
+                missing.empty() ? std::string()
+                                : c10::str(": member rank(s) [", join_ranks(missing),
+                                           "] did not finish connecting within ", options.timeout.count(), " ms"),
+                ": ", cause_of(e));
+  }
   FSDP2CPP_LOG_DEBUG(c10::str("new_group ", name, " (#", index, " over these ranks), group rank ", group_rank));
   return std::make_shared<Communicator>(std::move(backend), kind, device_type, group_rank, ranks, options);
 }

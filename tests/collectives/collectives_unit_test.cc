@@ -205,6 +205,18 @@ TEST(CommunicatorTest, SizeChecksUseTheGroupSize) {
   EXPECT_THAT(messages[0], HasSubstr("on gloo[0,1]: `output` has 3 elements, expected size() * input.numel() = 2 * 3"));
 }
 
+TEST(WorldTest, GroupsDroppedRightAfterCreationDoNotBreakTheirPeers) {
+  // Gloo's connect may return on one side of a pair before the other side has
+  // finished its handshake; without new_group's barrier a member that drops
+  // the group at once closed the socket under its peer now and then.
+  auto worlds = thread_worlds(2);
+  run_threads(2, [&](int r) {
+    for (int i = 0; i < 40; ++i) {
+      EXPECT_NO_THROW(worlds[r]->new_group({0, 1}, c10::kCPU)) << "creation " << i << " on rank " << r;
+    }
+  });
+}
+
 TEST(CommunicatorTest, WaitWithTimeoutFailsNamingTheCollectiveAndCanBeRetried) {
   auto worlds = thread_worlds(2);
   std::promise<void> rank0_timed_out;

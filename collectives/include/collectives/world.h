@@ -111,7 +111,9 @@ class World {
   // options.gloo_interface, else to 127.0.0.1 when MASTER_ADDR is unset or a
   // loopback address (local runs, file://), else to the address this host's
   // name resolves to. Gloo groups connect here and fail after
-  // options.timeout, naming the members that never called new_group.
+  // options.timeout, naming the members that never called new_group. It
+  // returns once every member's engine is up (a store barrier), so a group
+  // may be dropped right after creation without breaking its peers.
   // NCCL groups bind to the current CUDA device: set it first.
   std::shared_ptr<Communicator> new_group(const std::vector<int>& ranks, c10::DeviceType device_type,
                                           const CommunicatorOptions& options = {});
