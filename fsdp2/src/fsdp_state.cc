@@ -1,5 +1,6 @@
 #include "fsdp_state.h"
 
+#include <cctype>
 #include <unordered_set>
 
 #include <ATen/ATen.h>
@@ -166,30 +167,95 @@ void FSDPState::post_forward(TensorRefs& outputs) {
   }
 }
 
-void FSDPState::check_no_call_around_hooks() const {
+namespace {
+
+// Whether `text` shows `shape` the way LibTorch's shape errors print one:
+// "[4, 8]" (IntArrayRef), or "4x8" / "8x4" (matmul operands; weights enter
+// them transposed).
+bool mentions_shape(const std::string& text, const std::vector<int64_t>& shape) {
+  if (text.find(c10::str(c10::IntArrayRef(shape))) != std::string::npos) return true;
+  if (shape.size() != 2) return false;
+  auto matrix = [&text](int64_t rows, int64_t cols) {
+    const std::string needle = c10::str(rows, "x", cols);
+    for (size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) {
+      const bool starts = at == 0 || !std::isdigit(static_cast<unsigned char>(text[at - 1]));
+      const size_t end = at + needle.size();
+      const bool ends = end == text.size() || !std::isdigit(static_cast<unsigned char>(text[end]));
+      if (starts && ends) return true;
+    }
+    return false;
+  };
+  return matrix(shape[0], shape[1]) || matrix(shape[1], shape[0]);
+}
+
+std::string message_of_current_exception() {
+  try {
+    throw;
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "an exception that is not a std::exception";
+  }
+}
+
+constexpr const char* kCallThroughHooks =
+    "Call it through fsdp::call_module, declare its holder with FSDP2CPP_MODULE, or put it in an fsdp::Sequential.";
+
+}  // namespace
+
+std::string FSDPState::call_around_hooks_message(const std::string* error) const {
   // [Note: calls around the hooks] A sharded module whose forward ran outside
   // call_module computed with its shards. In grad mode autograd then made
   // the parameter's AccumulateGrad node at the sharded shape (fsdp2 only ever
-  // lets it be made at the full shape), which is how such a call is caught
-  // here, before its output is used. Without autograd such a call fails on
-  // the shapes in the module's own ops (world size > 1), or is correct
-  // (world size 1, where the shard is the whole parameter).
+  // lets it be made at the full shape), which is how such a call is caught at
+  // the end of the root's forward. When an op fails on the sharded shapes
+  // first (LayerNorm checks its weight before autograd sees it), the root's
+  // forward error hook looks for the node, else for a sharded parameter's
+  // shape in the op's message. Without autograd such a call fails on the
+  // shapes (world size > 1), or is correct (world size 1, where the shard is
+  // the whole parameter).
+  std::string probable;
   for (const auto& weak : ctx_->all_states) {
     auto s = weak.lock();
     if (!s || !s->group_ || s->group_->is_unsharded()) continue;
     for (const auto& p : s->group_->params()) {
       if (p->sharded_shape() == p->unsharded_shape()) continue;
+      const std::string used = c10::str("fsdp2: parameter '", p->fqn(), "' was used in forward while sharded (shape ",
+                                        c10::IntArrayRef(p->sharded_shape()), " of ",
+                                        c10::IntArrayRef(p->unsharded_shape()), "): module '", s->fqn_, "' was ");
       auto node = torch::autograd::impl::try_get_grad_accumulator(p->param());
-      if (!node || node->num_inputs() == 0) continue;
-      const auto sym_shape = node->input_metadata(0).shape_as_dim_vector();
-      std::vector<int64_t> shape;
-      for (const auto& d : sym_shape) shape.push_back(d.guard_int(__FILE__, __LINE__));
-      TORCH_CHECK(shape != p->sharded_shape(), "fsdp2: parameter '", p->fqn(),
-                  "' was used in forward while sharded: module '", s->fqn_,
-                  "' was called around its hooks (e.g. module->forward(x) or a TORCH_MODULE holder). Call it through "
-                  "fsdp::call_module, declare its holder with FSDP2CPP_MODULE, or put it in an fsdp::Sequential.");
+      if (node && node->num_inputs() > 0) {
+        const auto sym_shape = node->input_metadata(0).shape_as_dim_vector();
+        std::vector<int64_t> shape;
+        for (const auto& d : sym_shape) shape.push_back(d.guard_int(__FILE__, __LINE__));
+        if (shape == p->sharded_shape()) {
+          return c10::str(used, "called around its hooks (e.g. module->forward(x) or a TORCH_MODULE holder). ",
+                          kCallThroughHooks);
+        }
+      }
+      if (probable.empty() && error != nullptr && mentions_shape(*error, p->sharded_shape())) {
+        probable = c10::str(used,
+                            "probably called around its hooks (e.g. module->forward(x) or a TORCH_MODULE holder): "
+                            "the error below shows that sharded shape. ",
+                            kCallThroughHooks);
+      }
     }
   }
+  return probable;
+}
+
+void FSDPState::check_no_call_around_hooks() const {
+  const std::string message = call_around_hooks_message(nullptr);
+  TORCH_CHECK(message.empty(), message);
+}
+
+void FSDPState::explain_forward_error() const {
+  if (ctx_ == nullptr || ctx_->iter_forward_root != this) return;
+  const std::string cause = message_of_current_exception();
+  const std::string message = call_around_hooks_message(&cause);
+  TORCH_CHECK(message.empty(), message, " The error this caused: ", cause);
 }
 
 void FSDPState::register_pre_backward_hooks(TensorRefs& outputs) {

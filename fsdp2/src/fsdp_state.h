@@ -51,6 +51,10 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   void pre_forward(TensorRefs& inputs);
   void post_forward(TensorRefs& outputs);
   void pre_backward();
+  // Forward error hook (inside the handler): when this state started the
+  // iteration's forward and a sharded module was called around its hooks,
+  // throws the runtime's explanation with the original error in it.
+  void explain_forward_error() const;
 
   // Makes this state the root of its subtree and initializes every state in
   // it (FQNs, shared streams). Idempotent.
@@ -76,6 +80,11 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   void register_final_callback();
   void root_post_backward_final_callback();
   void check_no_call_around_hooks() const;
+  // The message that explains a sharded module called around its hooks:
+  // for the first sharded parameter autograd used at its sharded shape, else
+  // (given the message of the error a forward raised) for the first one
+  // whose sharded shape that message shows; empty when none.
+  std::string call_around_hooks_message(const std::string* error) const;
   static void prefetch_unshard(FSDPParamGroup* target, TrainingState state);
 
   std::weak_ptr<torch::nn::Module> module_;

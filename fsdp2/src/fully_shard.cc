@@ -243,6 +243,9 @@ FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, const F
   register_forward_hook(*module, [weak](torch::nn::Module&, TensorRefs&, TensorRefs& outputs) {
     if (auto s = weak.lock()) s->post_forward(outputs);
   });
+  register_forward_error_hook(*module, [weak](torch::nn::Module&) {
+    if (auto s = weak.lock()) s->explain_forward_error();
+  });
   detail::set_module_state(*module, detail::kStateKey, state);
   return FSDPModule(state);
 }

@@ -105,7 +105,7 @@ auto edit_hooks(torch::nn::Module& module, Edit&& edit) {
   return Registry::instance().with_entry(module, [&](Entry& e) {
     auto hooks = e.hooks ? std::make_shared<detail::ModuleHooks>(*e.hooks) : std::make_shared<detail::ModuleHooks>();
     auto result = edit(*hooks);
-    e.hooks = hooks->pre.empty() && hooks->post.empty() ? nullptr : std::move(hooks);
+    e.hooks = hooks->empty() ? nullptr : std::move(hooks);
     return result;
   });
 }
@@ -130,13 +130,24 @@ HookId register_forward_hook(torch::nn::Module& module, ForwardHook hook) {
   });
 }
 
+HookId register_forward_error_hook(torch::nn::Module& module, ForwardErrorHook hook) {
+  TORCH_CHECK(hook, "fsdp2: register_forward_error_hook got an empty hook");
+  return edit_hooks(module, [&](detail::ModuleHooks& hooks) {
+    const HookId id = Registry::instance().next_id();
+    hooks.error.emplace_back(id, std::move(hook));
+    return id;
+  });
+}
+
 void remove_hook(torch::nn::Module& module, HookId id) {
   const bool removed = edit_hooks(module, [&](detail::ModuleHooks& hooks) {
-    const size_t before = hooks.pre.size() + hooks.post.size();
+    auto count = [&] { return hooks.pre.size() + hooks.post.size() + hooks.error.size(); };
+    const size_t before = count();
     auto matches = [id](const auto& h) { return h.first == id; };
     hooks.pre.erase(std::remove_if(hooks.pre.begin(), hooks.pre.end(), matches), hooks.pre.end());
     hooks.post.erase(std::remove_if(hooks.post.begin(), hooks.post.end(), matches), hooks.post.end());
-    return hooks.pre.size() + hooks.post.size() < before;
+    hooks.error.erase(std::remove_if(hooks.error.begin(), hooks.error.end(), matches), hooks.error.end());
+    return count() < before;
   });
   TORCH_CHECK(removed, "fsdp2: hook ", id, " is not registered on module '", module.name(), "'");
 }
@@ -157,20 +168,31 @@ void run_post_hooks(const ModuleHooks& hooks, torch::nn::Module& module, TensorR
   for (const auto& [id, hook] : hooks.post) hook(module, inputs, outputs);
 }
 
+void run_error_hooks_and_rethrow(const ModuleHooks& hooks, torch::nn::Module& module) {
+  for (const auto& [id, hook] : hooks.error) hook(module);
+  throw;
+}
+
 at::Tensor call_sequential(torch::nn::SequentialImpl& sequential, at::Tensor input) {
   auto hooks = hooks_of(sequential);
   TensorRefs inputs{&input};
   if (hooks) run_pre_hooks(*hooks, sequential, inputs);
-  at::Tensor x = input;
-  for (auto& child : sequential) {
-    auto child_hooks = hooks_of(*child.ptr());
-    TensorRefs child_inputs{&x};
-    if (child_hooks) run_pre_hooks(*child_hooks, *child.ptr(), child_inputs);
-    at::Tensor y = child.forward<at::Tensor>(x);
-    TensorRefs child_outputs{&y};
-    if (child_hooks) run_post_hooks(*child_hooks, *child.ptr(), child_inputs, child_outputs);
-    x = std::move(y);
-  }
+  auto run_children = [&sequential](at::Tensor x) {
+    for (auto& child : sequential) {
+      auto child_hooks = hooks_of(*child.ptr());
+      TensorRefs child_inputs{&x};
+      if (child_hooks) run_pre_hooks(*child_hooks, *child.ptr(), child_inputs);
+      at::Tensor y = child_hooks ? forward_with_error_hooks(*child_hooks, *child.ptr(),
+                                                            [&] { return child.forward<at::Tensor>(x); })
+                                 : child.forward<at::Tensor>(x);
+      TensorRefs child_outputs{&y};
+      if (child_hooks) run_post_hooks(*child_hooks, *child.ptr(), child_inputs, child_outputs);
+      x = std::move(y);
+    }
+    return x;
+  };
+  at::Tensor x =
+      hooks ? forward_with_error_hooks(*hooks, sequential, [&] { return run_children(input); }) : run_children(input);
   TensorRefs outputs{&x};
   if (hooks) run_post_hooks(*hooks, sequential, inputs, outputs);
   return x;

@@ -1,6 +1,8 @@
 // Bad input to fully_shard and misuse of sharded modules: each gives a clear
 // error that says what was wrong and what to do.
 #include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
 
 #include "fsdp2_test_util.h"
 
@@ -18,6 +20,26 @@ struct CallsAroundHooks : torch::nn::Module {
   CallsAroundHooks() : block(register_module("block", MLPBlock(7, 13))) {}
   at::Tensor forward(const at::Tensor& x) { return block->forward(x); }
   MLPBlock block;
+};
+
+// A block that normalizes first, and a root that calls it through a plain
+// TORCH_MODULE holder (around the hooks): on 2+ ranks LayerNorm gets its
+// sharded weight and fails on the shapes before the end of the root's
+// forward (the case users hit first).
+struct NormBlockImpl : torch::nn::Module {
+  NormBlockImpl()
+      : norm(register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({8})))),
+        fc(register_module("fc", torch::nn::Linear(8, 8))) {}
+  at::Tensor forward(const at::Tensor& x) { return fc(norm(x)); }
+  torch::nn::LayerNorm norm;
+  torch::nn::Linear fc;
+};
+TORCH_MODULE(NormBlock);
+
+struct CallsNormBlockAroundHooks : torch::nn::Module {
+  CallsNormBlockAroundHooks() : block(register_module("block", NormBlock())) {}
+  at::Tensor forward(const at::Tensor& x) { return block(x); }
+  NormBlock block;
 };
 
 struct MixedDtypes : torch::nn::Module {
@@ -101,6 +123,38 @@ TEST(FullyShardErrors, MisuseGivesClearErrors) {
         EXPECT_NE(what.find("called around its hooks"), std::string::npos) << e.what_without_backtrace();
         EXPECT_NE(what.find("block"), std::string::npos) << e.what_without_backtrace();
       }
+    }
+    {
+      SCOPED_TRACE("sharded block called around its hooks fails on its shapes");
+      auto model = std::make_shared<CallsNormBlockAroundHooks>();
+      fully_shard(model->block, mesh_options(ctx));
+      fully_shard(model, mesh_options(ctx));
+      // The runtime's explanation comes first, with LibTorch's error in it.
+      EXPECT_THROW_WITH(call_module(*model, at::randn({3, 8})),
+                        "parameter 'block.norm.weight' was used in forward while sharded",
+                        "module 'block' was probably called around its hooks", "fsdp::call_module",
+                        "The error this caused:", "normalized_shape");
+      {
+        SCOPED_TRACE("without autograd");
+        fsdp_module_of(*model)->reset_iter_state();
+        torch::NoGradGuard no_grad;
+        EXPECT_THROW_WITH(call_module(*model, at::randn({3, 8})), "module 'block' was probably called around its hooks",
+                          "normalized_shape");
+      }
+      {
+        SCOPED_TRACE("an error of a module called through its hooks stays as it is");
+        fsdp_module_of(*model)->reset_iter_state();
+        try {
+          call_module(model->block, at::randn({3, 5}));
+          ADD_FAILURE() << "expected LayerNorm's error";
+        } catch (const c10::Error& e) {
+          EXPECT_EQ(std::string(e.what()).find("fsdp2:"), std::string::npos) << e.what_without_backtrace();
+        }
+      }
+      // The same block through its hooks is fine afterwards.
+      fsdp_module_of(*model)->reset_iter_state();
+      at::Tensor x = at::randn({3, 8});
+      EXPECT_EQ(call_module(model->block, x).sizes(), x.sizes());
     }
     {
       SCOPED_TRACE("backward twice through one graph");

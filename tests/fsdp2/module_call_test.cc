@@ -69,6 +69,48 @@ TEST(ModuleCall, SequentialRunsEachChildThroughItsHooks) {
   EXPECT_EQ(order.back(), "first");
 }
 
+TEST(ModuleCall, ErrorHooksSeeTheForwardsExceptionAndMayReplaceIt) {
+  auto linear = torch::nn::Linear(3, 2);
+  const at::Tensor wrong = at::randn({2, 5});
+  std::vector<std::string> seen;
+  const HookId observe = register_forward_error_hook(*linear, [&](torch::nn::Module&) {
+    try {
+      throw;
+    } catch (const c10::Error& e) {
+      seen.push_back(e.what_without_backtrace());
+    }
+  });
+  // A hook that returns lets the original exception through.
+  try {
+    call_module(linear, wrong);
+    ADD_FAILURE() << "expected the shape error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot be multiplied"), std::string::npos) << e.what();
+  }
+  ASSERT_EQ(seen.size(), 1u);
+  EXPECT_NE(seen[0].find("cannot be multiplied"), std::string::npos) << seen[0];
+  // A hook that throws replaces it, also for a child of a Sequential.
+  register_forward_error_hook(*linear, [](torch::nn::Module&) { throw std::runtime_error("explained"); });
+  Sequential seq(linear);
+  EXPECT_THROW(
+      {
+        try {
+          seq(wrong);
+        } catch (const std::runtime_error& e) {
+          EXPECT_STREQ(e.what(), "explained");
+          throw;
+        }
+      },
+      std::runtime_error);
+  EXPECT_EQ(seen.size(), 2u);
+  // Errors of the hooks themselves do not run the error hooks, and a call
+  // that succeeds runs none.
+  call_module(linear, at::randn({2, 3}));
+  EXPECT_EQ(seen.size(), 2u);
+  remove_hook(*linear, observe);
+  EXPECT_THROW(remove_hook(*linear, observe), c10::Error);
+}
+
 TEST(ModuleCall, HooksDieWithTheirModule) {
   std::weak_ptr<int> alive;
   {

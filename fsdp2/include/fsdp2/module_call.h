@@ -62,6 +62,10 @@ namespace fsdp {
 using TensorRefs = std::vector<at::Tensor*>;
 using ForwardPreHook = std::function<void(torch::nn::Module& module, TensorRefs& inputs)>;
 using ForwardHook = std::function<void(torch::nn::Module& module, TensorRefs& inputs, TensorRefs& outputs)>;
+// Runs inside the handler of an exception thrown by `module`'s forward (so
+// std::current_exception() is that exception). It may throw a better one in
+// its place; when it returns, the original exception propagates.
+using ForwardErrorHook = std::function<void(torch::nn::Module& module)>;
 
 // Identifies a registered hook, for remove_hook().
 using HookId = uint64_t;
@@ -72,6 +76,11 @@ using HookId = uint64_t;
 HookId register_forward_pre_hook(torch::nn::Module& module, ForwardPreHook hook);
 // Registers a hook run after `module`'s forward on every call_module.
 HookId register_forward_hook(torch::nn::Module& module, ForwardHook hook);
+// Registers a hook run when `module`'s forward, called through call_module,
+// throws (not when a pre- or post-hook throws). No counterpart in PyTorch:
+// it lets a runtime explain an error its own state caused (fully_shard uses
+// it for modules called around their hooks).
+HookId register_forward_error_hook(torch::nn::Module& module, ForwardErrorHook hook);
 // Removes a hook; throws when `id` is not registered on `module`.
 void remove_hook(torch::nn::Module& module, HookId id);
 // True when `module` has any hook.
@@ -82,6 +91,8 @@ namespace detail {
 struct ModuleHooks {
   std::vector<std::pair<HookId, ForwardPreHook>> pre;
   std::vector<std::pair<HookId, ForwardHook>> post;
+  std::vector<std::pair<HookId, ForwardErrorHook>> error;
+  bool empty() const { return pre.empty() && post.empty() && error.empty(); }
 };
 
 // The hooks of `module`, or null. Snapshot: safe against concurrent changes.
@@ -120,6 +131,20 @@ void collect_tensors(std::tuple<T...>& v, TensorRefs& out) {
 
 void run_pre_hooks(const ModuleHooks& hooks, torch::nn::Module& module, TensorRefs& inputs);
 void run_post_hooks(const ModuleHooks& hooks, torch::nn::Module& module, TensorRefs& inputs, TensorRefs& outputs);
+// Call only from a catch block; rethrows the exception being handled unless
+// a hook throws another.
+[[noreturn]] void run_error_hooks_and_rethrow(const ModuleHooks& hooks, torch::nn::Module& module);
+
+// Calls `forward`, running the error hooks when it throws.
+template <typename Forward>
+auto forward_with_error_hooks(const ModuleHooks& hooks, torch::nn::Module& module, Forward&& forward) {
+  if (hooks.error.empty()) return forward();
+  try {
+    return forward();
+  } catch (...) {
+    run_error_hooks_and_rethrow(hooks, module);
+  }
+}
 
 // Runs the Sequential's own hooks around calling each child, in order,
 // through the child's hooks. Children must take and return one tensor.
@@ -145,7 +170,8 @@ auto call_module(ModuleT& module, Args&&... args) {
     TensorRefs inputs;
     detail::collect_tensors(values, inputs);
     detail::run_pre_hooks(*hooks, module, inputs);
-    auto output = std::apply([&module](auto&... a) { return module.forward(a...); }, values);
+    auto output = detail::forward_with_error_hooks(
+        *hooks, module, [&] { return std::apply([&module](auto&... a) { return module.forward(a...); }, values); });
     TensorRefs outputs;
     detail::collect_tensors(output, outputs);
     detail::run_post_hooks(*hooks, module, inputs, outputs);
