@@ -4,8 +4,15 @@
 // tiny model); this keeps them from rotting.
 #include <gtest/gtest.h>
 
+#include <dirent.h>
+#include <stdlib.h>
+#include <unistd.h>
+
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <iterator>
 #include <regex>
 #include <sstream>
 #include <string>
@@ -15,6 +22,34 @@
 
 namespace fsdp_train_test {
 namespace {
+
+// A fresh directory under $TMPDIR (or /tmp), removed with what is in it.
+class ScratchDirForTest {
+ public:
+  ScratchDirForTest() {
+    const char* tmp = std::getenv("TMPDIR");
+    std::string pattern = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/bench_smoke.XXXXXX";
+    if (::mkdtemp(pattern.data()) != nullptr) path_ = pattern;
+  }
+  ~ScratchDirForTest() {
+    for (const std::string& f : files()) ::unlink(f.c_str());
+    if (!path_.empty()) ::rmdir(path_.c_str());
+  }
+  const std::string& path() const { return path_; }
+  std::vector<std::string> files() const {
+    std::vector<std::string> out;
+    if (DIR* d = ::opendir(path_.c_str())) {
+      while (const dirent* e = ::readdir(d)) {
+        if (e->d_name[0] != '.') out.push_back(path_ + "/" + e->d_name);
+      }
+      ::closedir(d);
+    }
+    return out;
+  }
+
+ private:
+  std::string path_;
+};
 
 // The lines of `output` that start with `prefix`.
 std::vector<std::string> lines_starting_with(const std::string& output, const std::string& prefix) {
@@ -44,20 +79,87 @@ void expect_positive_numbers(const std::string& line, size_t first) {
 TEST(BenchSmoke, MemoryBenchPrintsBothSystemsWithRatios) {
   const RunResult run = run_program(FSDP_MEMORY_BENCH, {"--quick", "--cpu-only"});
   ASSERT_EQ(run.exit_code, 0) << run.output;
-  EXPECT_NE(run.output.find("growth/block"), std::string::npos) << run.output;
-  EXPECT_NE(run.output.find("state/block"), std::string::npos) << run.output;
-  EXPECT_NE(run.output.find("vs PyTorch"), std::string::npos) << run.output;
-  const auto ours = lines_starting_with(run.output, "cpu    fsdp2cpp");
-  const auto theirs = lines_starting_with(run.output, "cpu    PyTorch FSDP2");
-  ASSERT_EQ(ours.size(), 1u) << run.output;
-  ASSERT_EQ(theirs.size(), 1u) << run.output;
-  // Peaks and the state per block are positive; the growth of a tiny model
-  // may be 0 or negative (page reuse), so only the columns before it.
-  std::istringstream fields(ours[0]);
-  std::string device, name, peak_small, peak_large;
-  fields >> device >> name >> peak_small >> peak_large;
-  EXPECT_GT(std::strtod(peak_small.c_str(), nullptr), 1.0) << ours[0];
-  EXPECT_GT(std::strtod(peak_large.c_str(), nullptr), 1.0) << ours[0];
+  for (const char* column : {"measure", "growth/block", "state/block", "growth/state", "vs PyTorch"}) {
+    EXPECT_NE(run.output.find(column), std::string::npos) << column << " missing:\n" << run.output;
+  }
+  for (const std::string system : {"fsdp2cpp      ", "PyTorch FSDP2 "}) {
+    const std::string prefix = "cpu    " + system + " ";
+    const auto rows = lines_starting_with(run.output, prefix);
+    ASSERT_EQ(rows.size(), 2u) << "a live and an rss row for " << system << ":\n" << run.output;
+    // measure, peak small, peak large. Peaks and the state per block are
+    // positive; the growth of a tiny model may be 0 or negative (page reuse),
+    // so only the columns before it.
+    double peaks[2][2] = {};
+    for (size_t i = 0; i < 2; ++i) {
+      std::istringstream fields(rows[i].substr(prefix.size()));
+      std::string measure, peak_small, peak_large;
+      fields >> measure >> peak_small >> peak_large;
+      EXPECT_EQ(measure, i == 0 ? "live" : "rss") << rows[i];
+      peaks[i][0] = std::strtod(peak_small.c_str(), nullptr);
+      peaks[i][1] = std::strtod(peak_large.c_str(), nullptr);
+      EXPECT_GT(peaks[i][0], 1.0) << rows[i];
+      EXPECT_GT(peaks[i][1], 1.0) << rows[i];
+    }
+    // The live bytes come from the malloc counter, not from RSS: a rank's
+    // heap is smaller than its resident set (which adds code, stacks, and
+    // what glibc keeps).
+    EXPECT_LT(peaks[0][0], peaks[1][0]) << rows[0] << "\n" << rows[1];
+    EXPECT_LT(peaks[0][1], peaks[1][1]) << rows[0] << "\n" << rows[1];
+  }
+}
+
+// The malloc counter the memory benchmark preloads, on a process whose
+// allocations are known: MallocCounterCountsLiveBytes runs this test binary
+// again with the shim preloaded and only MallocCounterProbe selected, which
+// then, between two quiet points, holds at most 96 MiB more than at exit.
+TEST(BenchSmoke, MallocCounterProbe) {
+  if (std::getenv("FSDP_MALLOC_COUNTER_PROBE") == nullptr) GTEST_SKIP() << "run by MallocCounterCountsLiveBytes";
+  constexpr size_t kMiB = size_t{1} << 20;
+  void* p = nullptr;
+  ASSERT_EQ(posix_memalign(&p, 64, 64 * kMiB), 0);
+  std::memset(p, 1, 64 * kMiB);
+  p = std::realloc(p, 96 * kMiB);  // the peak: 96 MiB, not 64 + 96
+  ASSERT_NE(p, nullptr);
+  std::free(p);
+  // Several smaller blocks alive together, below the peak: 40 MiB.
+  std::vector<void*> blocks;
+  for (int i = 0; i < 5; ++i) blocks.push_back(std::calloc(8, kMiB));
+  for (int i = 0; i < 5; ++i) blocks.push_back(std::malloc(kMiB / 2));
+  blocks.push_back(aligned_alloc(4096, 2 * kMiB));
+  for (void* b : blocks) std::free(b);
+  ::setenv("RANK", "5", 1);  // read when the report is written, at exit
+}
+
+TEST(BenchSmoke, MallocCounterCountsLiveBytes) {
+  ScratchDirForTest dir;
+  ::setenv("LD_PRELOAD", FSDP_MALLOC_COUNTER, 1);
+  ::setenv("FSDP_MALLOC_COUNTER_DIR", dir.path().c_str(), 1);
+  ::setenv("FSDP_MALLOC_COUNTER_PROBE", "1", 1);
+  char self[4096] = {};
+  ASSERT_GT(::readlink("/proc/self/exe", self, sizeof(self) - 1), 0);
+  const RunResult run = run_program(self, {"--gtest_filter=BenchSmoke.MallocCounterProbe"});
+  ::unsetenv("LD_PRELOAD");
+  ::unsetenv("FSDP_MALLOC_COUNTER_DIR");
+  ::unsetenv("FSDP_MALLOC_COUNTER_PROBE");
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  ASSERT_EQ(run.output.find("SKIPPED"), std::string::npos) << run.output;
+  const std::vector<std::string> reports = dir.files();
+  ASSERT_EQ(reports.size(), 1u) << "one report from the probe process";
+  std::ifstream in(reports[0]);
+  const std::string report((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto number = [&](const std::string& key) {
+    const size_t at = report.find("\"" + key + "\": ");
+    EXPECT_NE(at, std::string::npos) << key << " missing: " << report;
+    return at == std::string::npos ? -1.0 : std::strtod(report.c_str() + at + key.size() + 4, nullptr);
+  };
+  EXPECT_EQ(number("rank"), 5) << report;
+  const double mib = 1 << 20;
+  const double over_exit = (number("peak_live_bytes") - number("live_at_exit")) / mib;
+  // 96 MiB plus malloc's slack and what gtest holds while the probe runs.
+  EXPECT_GE(over_exit, 96.0) << report;
+  EXPECT_LT(over_exit, 98.0) << report;
+  // The split at the peak puts the 96 MiB block in the 64-128 MiB class.
+  EXPECT_NE(report.find("[67108864, 1006"), std::string::npos) << report;
 }
 
 TEST(BenchSmoke, SpeedBenchPrintsAllThreeSystemsPerWorldSize) {

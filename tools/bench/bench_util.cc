@@ -1,7 +1,9 @@
 #include "bench_util.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <spawn.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -33,17 +35,23 @@ std::vector<char*> c_strings(std::vector<std::string>& strings) {
 
 }  // namespace
 
-RunResult run_program(const std::string& program, const std::vector<std::string>& args) {
+RunResult run_program(const std::string& program, const std::vector<std::string>& args,
+                      const std::vector<std::string>& extra_env) {
+  const auto name = [](const std::string& entry) { return entry.substr(0, entry.find('=')); };
   std::vector<std::string> env;
   for (char** e = environ; *e != nullptr; ++e) {
     const std::string entry = *e;
-    const std::string key = entry.substr(0, entry.find('='));
+    const std::string key = name(entry);
     if (key == "RANK" || key == "WORLD_SIZE" || key == "LOCAL_RANK" || key == "LOCAL_WORLD_SIZE" ||
         key == "MASTER_ADDR" || key == "MASTER_PORT") {
       continue;
     }
+    if (std::any_of(extra_env.begin(), extra_env.end(), [&](const std::string& x) { return name(x) == key; })) {
+      continue;
+    }
     env.push_back(entry);
   }
+  env.insert(env.end(), extra_env.begin(), extra_env.end());
   std::vector<std::string> argv_strings = {program};
   argv_strings.insert(argv_strings.end(), args.begin(), args.end());
   std::vector<char*> argv = c_strings(argv_strings), envp = c_strings(env);
@@ -113,7 +121,15 @@ ScratchDir::ScratchDir() {
 }
 
 ScratchDir::~ScratchDir() {
-  for (const auto& f : files_) ::unlink(f.c_str());
+  for (const auto& f : files_) {
+    if (::unlink(f.c_str()) == 0) continue;
+    // A directory of files (a run's malloc counter reports).
+    if (DIR* d = ::opendir(f.c_str())) {
+      while (const dirent* e = ::readdir(d)) ::unlinkat(::dirfd(d), e->d_name, 0);
+      ::closedir(d);
+      ::rmdir(f.c_str());
+    }
+  }
   if (!path_.empty()) ::rmdir(path_.c_str());
 }
 
@@ -143,7 +159,8 @@ std::string tail(const std::string& text, int lines) {
 
 Programs default_programs() {
   const char* python = std::getenv("FSDP2CPP_PYTHON");
-  return {FSDP_BENCH_TRAINER, python != nullptr && *python != '\0' ? python : FSDP_BENCH_PYTHON, FSDP_BENCH_SCRIPT};
+  return {FSDP_BENCH_TRAINER, python != nullptr && *python != '\0' ? python : FSDP_BENCH_PYTHON, FSDP_BENCH_SCRIPT,
+          FSDP_BENCH_MALLOC_COUNTER};
 }
 
 namespace {
@@ -170,6 +187,45 @@ Measured failure(const std::string& program, const std::vector<std::string>& arg
   return m;
 }
 
+// The environment a run's processes get on top of the caller's: the malloc
+// counter's preload and its report directory, GLIBC_TUNABLES.
+std::vector<std::string> run_env(const Programs& programs, const RunOptions& options, ScratchDir& dir,
+                                 std::string* counter_dir) {
+  std::vector<std::string> env;
+  if (options.count_live_bytes) {
+    *counter_dir = dir.file("malloc_counter");
+    ::mkdir(counter_dir->c_str(), 0700);
+    const char* preload = std::getenv("LD_PRELOAD");
+    env.push_back("LD_PRELOAD=" + programs.malloc_counter +
+                  (preload != nullptr && *preload != '\0' ? std::string(":") + preload : ""));
+    env.push_back("FSDP_MALLOC_COUNTER_DIR=" + *counter_dir);
+  }
+  if (!options.glibc_tunables.empty()) env.push_back("GLIBC_TUNABLES=" + options.glibc_tunables);
+  return env;
+}
+
+// The largest "peak_live_bytes" over the ranks' counter reports (files of
+// processes with a RANK; the launchers' own are left out), removing the
+// files. -1 when no rank wrote one.
+double peak_live_over_ranks(const std::string& counter_dir) {
+  double peak = -1;
+  DIR* d = ::opendir(counter_dir.c_str());
+  if (d == nullptr) return peak;
+  std::vector<std::string> files;
+  while (const dirent* e = ::readdir(d)) {
+    if (std::string(e->d_name).rfind("malloc_counter.", 0) == 0) files.push_back(counter_dir + "/" + e->d_name);
+  }
+  ::closedir(d);
+  for (const std::string& f : files) {
+    const std::optional<std::string> text = read_file(f);
+    ::unlink(f.c_str());
+    if (!text || json_number(*text, "rank").value_or(-1) < 0) continue;
+    peak = std::max(peak, json_number(*text, "peak_live_bytes").value_or(-1));
+  }
+  ::rmdir(counter_dir.c_str());
+  return peak;
+}
+
 }  // namespace
 
 Measured run_fsdp_train(const Programs& programs, const TrainShape& shape, const RunOptions& options) {
@@ -182,7 +238,8 @@ Measured run_fsdp_train(const Programs& programs, const TrainShape& shape, const
   } else {
     args.insert(args.end(), {"--nproc", std::to_string(options.nproc)});
   }
-  const RunResult run = run_program(programs.trainer, args);
+  std::string counter_dir;
+  const RunResult run = run_program(programs.trainer, args, run_env(programs, options, dir, &counter_dir));
   if (run.exit_code != 0) return failure(programs.trainer, args, run, "fsdp_train failed");
   const std::optional<std::string> text = read_file(json);
   const std::vector<double> tokens_per_s = text ? json_numbers(*text, "tokens_per_s") : std::vector<double>{};
@@ -205,6 +262,10 @@ Measured run_fsdp_train(const Programs& programs, const TrainShape& shape, const
   m.peak_bytes = peaks.back();
   m.loss_first = losses.front();
   m.loss_last = losses.back();
+  if (options.count_live_bytes) {
+    m.peak_live_bytes = peak_live_over_ranks(counter_dir);
+    if (m.peak_live_bytes <= 0) return failure(programs.trainer, args, run, "no rank wrote a malloc counter report");
+  }
   return m;
 }
 
@@ -215,7 +276,9 @@ Measured run_pytorch_fsdp2(const Programs& programs, const TrainShape& shape, co
   const std::vector<std::string> flags = shape_flags(shape, options);
   args.insert(args.end(), flags.begin(), flags.end());
   if (options.no_shard) args.push_back("--no-shard");
-  const RunResult run = run_program(programs.python, args);
+  ScratchDir dir;
+  std::string counter_dir;
+  const RunResult run = run_program(programs.python, args, run_env(programs, options, dir, &counter_dir));
   const size_t at = run.output.rfind("RESULT ");
   if (run.exit_code != 0 || at == std::string::npos) {
     return failure(programs.python, args, run, "the PyTorch FSDP2 script failed");
@@ -228,6 +291,10 @@ Measured run_pytorch_fsdp2(const Programs& programs, const TrainShape& shape, co
   m.loss_last = json_number(result, "loss_last").value_or(0);
   m.ok = m.median_step_s > 0 && m.peak_bytes > 0;
   if (!m.ok) return failure(programs.python, args, run, "the PyTorch FSDP2 script printed no usable RESULT");
+  if (options.count_live_bytes) {
+    m.peak_live_bytes = peak_live_over_ranks(counter_dir);
+    if (m.peak_live_bytes <= 0) return failure(programs.python, args, run, "no rank wrote a malloc counter report");
+  }
   return m;
 }
 

@@ -21,8 +21,10 @@ struct RunResult {
 
 // Runs `program` with `args` (no shell) and waits for it. The child gets this
 // process's environment without the rendezvous variables (RANK, WORLD_SIZE,
-// MASTER_ADDR, ...), so it never joins the caller's job.
-RunResult run_program(const std::string& program, const std::vector<std::string>& args);
+// MASTER_ADDR, ...), so it never joins the caller's job, plus `extra_env`
+// ("NAME=value" entries, replacing variables of the same name).
+RunResult run_program(const std::string& program, const std::vector<std::string>& args,
+                      const std::vector<std::string>& extra_env = {});
 
 // The number after `"key":` in `text` (the first occurrence), if any.
 std::optional<double> json_number(const std::string& text, const std::string& key);
@@ -63,6 +65,9 @@ struct Programs {
   std::string trainer;  // fsdp_train
   std::string python;   // a Python with torch
   std::string script;   // tools/bench/python/fsdp2_bench.py
+  // libfsdp_malloc_counter.so (malloc_counter/malloc_counter.cc), preloaded
+  // into the ranks when RunOptions::count_live_bytes is set.
+  std::string malloc_counter;
 };
 Programs default_programs();
 
@@ -82,6 +87,9 @@ struct Measured {
   std::string error;         // when !ok: the command and its output's tail
   double median_step_s = 0;  // median over the steps after the warm-up steps, slowest rank
   double peak_bytes = 0;     // max over ranks: max RSS (CPU) or allocator peak (CUDA)
+  // Max over ranks of the peak of live malloc bytes (RunOptions::
+  // count_live_bytes), 0 when not counted.
+  double peak_live_bytes = 0;
   double loss_first = 0, loss_last = 0;
 };
 
@@ -92,6 +100,12 @@ struct RunOptions {
   int steps = 10;        // including warm-up
   int warmup_steps = 2;  // untimed
   int threads = 1;       // intra-op threads per rank
+  // Preload Programs::malloc_counter into every process of the run and
+  // report the ranks' peak of live malloc bytes (Measured::peak_live_bytes).
+  bool count_live_bytes = false;
+  // GLIBC_TUNABLES for the run's processes (e.g.
+  // "glibc.malloc.mmap_threshold=131072"); empty: the caller's environment.
+  std::string glibc_tunables;
 };
 
 // fsdp_train with `shape` and `options` (--json, parsed).

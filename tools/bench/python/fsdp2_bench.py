@@ -143,6 +143,9 @@ def max_over_ranks(value, device):
 
 
 def setup_rank(rank, args):
+    # Names this process as a rank for the benchmark's malloc counter
+    # (libfsdp_malloc_counter.so reads $RANK when it writes its report).
+    os.environ["RANK"] = str(rank)
     torch.set_num_threads(args.threads)
     if args.device == "cuda":
         device = torch.device("cuda", rank)
