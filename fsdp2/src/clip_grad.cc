@@ -2,52 +2,170 @@
 
 #include <cmath>
 #include <limits>
+#include <unordered_map>
 #include <unordered_set>
+#include <utility>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 
-namespace fsdp {
+#include "collectives/communicator.h"
+#include "fsdp_state.h"
 
-double clip_grad_norm_(const FSDPModule& root, double max_norm, double norm_type) {
-  TORCH_CHECK(norm_type > 0, "clip_grad_norm_: norm_type must be positive, got ", norm_type);
-  const bool inf_norm = std::isinf(norm_type);
+namespace fsdp {
+namespace {
+
+// Gradients of one device and dtype: one foreach kernel each.
+struct GradBucket {
+  c10::Device device;
+  c10::ScalarType dtype;
   std::vector<at::Tensor> grads;
-  std::unordered_set<const c10::TensorImpl*> seen;
-  for (const auto& p : root.module().parameters()) {
-    if (!seen.insert(p.unsafeGetTensorImpl()).second || !p.grad().defined()) continue;
-    TORCH_CHECK(p.grad().sizes() == p.sizes(), "clip_grad_norm_: a gradient of shape ", p.grad().sizes(),
-                " does not match its parameter's shape ", p.sizes(), "; call it after backward has finished");
-    grads.push_back(p.grad());
-  }
-  const auto& comm = root.mesh().group(root.mesh().ndim() - 1);
-  c10::NoGradGuard no_grad;
-  // Accumulate in fp32 (at least), on the gradients' device.
-  at::TensorOptions options = at::TensorOptions().dtype(at::kFloat);
-  if (!grads.empty()) {
-    options = options.device(grads.front().device());
-    if (grads.front().scalar_type() == at::kDouble) options = options.dtype(at::kDouble);
-  } else if (root.mesh().device_type() != c10::kCPU) {
-    options = options.device(c10::Device(root.mesh().device_type()));
-  }
-  at::Tensor local = at::zeros({1}, options);
-  for (const auto& g : grads) {
-    if (g.numel() == 0) continue;
-    at::Tensor gf = g.to(options.dtype());
-    if (inf_norm) {
-      local = at::maximum(local, gf.abs().max().reshape({1}));
-    } else {
-      local += gf.abs().pow(norm_type).sum().reshape({1});
+};
+
+void add_to_bucket(std::vector<GradBucket>& buckets, const at::Tensor& grad) {
+  for (auto& b : buckets) {
+    if (b.device == grad.device() && b.dtype == grad.scalar_type()) {
+      b.grads.push_back(grad);
+      return;
     }
   }
-  comm->all_reduce(local, inf_norm ? collectives::ReduceOp::max() : collectives::ReduceOp::sum()).wait();
-  const double total = inf_norm ? local.item<double>() : std::pow(local.item<double>(), 1.0 / norm_type);
-  const double coef = max_norm / (total + 1e-6);
-  if (coef < 1.0) {
-    for (auto& g : grads) g.mul_(coef);
+  buckets.push_back({grad.device(), grad.scalar_type(), {grad}});
+}
+
+// The gradients of `root`'s module, split into those of sharded parameters
+// (each rank holds its rows) and those of parameters left full on every rank
+// (ignored_params), and the group the norm is reduced over.
+struct ModelGrads {
+  std::vector<GradBucket> sharded;
+  std::vector<GradBucket> replicated;
+  std::shared_ptr<collectives::Communicator> shard_comm;
+  c10::Device device{c10::kCPU};
+  bool any_double = false;
+};
+
+ModelGrads collect_grads(const FSDPModule& root, const char* api) {
+  ModelGrads out;
+  out.shard_comm = root.mesh().group(root.mesh().ndim() - 1);
+  out.device = root.state()->device();
+  std::unordered_map<const c10::TensorImpl*, const detail::FSDPParam*> managed;
+  for (const auto& item : root.module().named_modules(/*name_prefix=*/"", /*include_self=*/true)) {
+    auto state = detail::state_of(*item.value());
+    if (!state || !state->group()) continue;
+    const auto& comm = state->group()->mesh().group(state->group()->mesh().ndim() - 1);
+    TORCH_CHECK(comm->global_ranks() == out.shard_comm->global_ranks(), "fsdp2: ", api, ": module '", item.key(),
+                "' is sharded over ", comm->name(), " but the root over ", out.shard_comm->name(),
+                "; the norm of a model sharded over different groups is not defined here. Shard every module over "
+                "the root's mesh.");
+    for (const auto& p : state->group()->params()) managed.emplace(p->param().unsafeGetTensorImpl(), p.get());
+  }
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (const auto& item : root.module().named_parameters(/*recurse=*/true)) {
+    const at::Tensor& p = item.value();
+    if (!seen.insert(p.unsafeGetTensorImpl()).second || !p.grad().defined()) continue;
+    const at::Tensor& g = p.grad();
+    auto it = managed.find(p.unsafeGetTensorImpl());
+    TORCH_CHECK(it == managed.end() || it->second->state() == detail::ShardedState::kSharded, "fsdp2: ", api,
+                ": parameter '", item.key(),
+                "' is unsharded, so its gradient is not reduced yet; call it after the backward that reduces the "
+                "gradients (gradient sync on, set_is_last_backward(true)) has finished");
+    TORCH_CHECK(g.sizes() == p.sizes(), "fsdp2: ", api, ": the gradient of parameter '", item.key(), "' has shape ",
+                g.sizes(), ", which does not match the parameter's shape ", p.sizes(),
+                "; call it after backward has finished");
+    out.any_double = out.any_double || g.scalar_type() == at::kDouble;
+    add_to_bucket(it == managed.end() ? out.replicated : out.sharded, g);
+  }
+  return out;
+}
+
+// This rank's contribution from `buckets`: the largest absolute element (inf
+// norm) or the sum of the p-th powers of the gradients' norms, as a 0-dim
+// `acc` tensor on `device`, or undefined when there is nothing to count.
+at::Tensor local_contribution(const std::vector<GradBucket>& buckets, double norm_type, at::ScalarType acc,
+                              c10::Device device) {
+  const bool inf_norm = std::isinf(norm_type);
+  at::Tensor result;
+  for (const auto& b : buckets) {
+    std::vector<at::Tensor> grads;
+    // A rank may hold no rows of a parameter; the infinity norm of an empty
+    // tensor is an error in ATen, and it contributes nothing anyway.
+    for (const auto& g : b.grads) {
+      if (g.numel() > 0) grads.push_back(g);
+    }
+    if (grads.empty()) continue;
+    // fp32 at least, so that bf16/fp16 norms are not rounded before summing.
+    const at::ScalarType norm_dtype = b.dtype == at::kDouble ? at::kDouble : at::kFloat;
+    const std::vector<at::Tensor> norms = at::_foreach_norm(grads, norm_type, norm_dtype);
+    at::Tensor stacked = at::stack(norms).to(device, acc);
+    at::Tensor part = inf_norm ? stacked.max() : stacked.pow(norm_type).sum();
+    if (!result.defined()) {
+      result = part;
+    } else {
+      result = inf_norm ? at::maximum(result, part) : result + part;
+    }
+  }
+  return result;
+}
+
+std::vector<GradBucket> all_buckets(ModelGrads grads) {
+  std::vector<GradBucket> all = std::move(grads.sharded);
+  for (auto& b : grads.replicated) all.push_back(std::move(b));
+  return all;
+}
+
+}  // namespace
+
+at::Tensor get_total_norm(const FSDPModule& root, double norm_type, bool error_if_nonfinite) {
+  constexpr const char* kApi = "get_total_norm";
+  TORCH_CHECK(norm_type > 0, "fsdp2: ", kApi, ": norm_type must be positive (or infinity), got ", norm_type);
+  const bool inf_norm = std::isinf(norm_type);
+  ModelGrads grads = collect_grads(root, kApi);
+  c10::NoGradGuard no_grad;
+  const at::ScalarType acc = grads.any_double ? at::kDouble : at::kFloat;
+  at::Tensor local = local_contribution(grads.sharded, norm_type, acc, grads.device);
+  at::Tensor replicated = local_contribution(grads.replicated, norm_type, acc, grads.device);
+  if (replicated.defined()) {
+    // Full on every rank: counted once over the group (see clip_grad.h).
+    if (!inf_norm) replicated = replicated / static_cast<double>(grads.shard_comm->size());
+    if (!local.defined()) {
+      local = replicated;
+    } else {
+      local = inf_norm ? at::maximum(local, replicated) : local + replicated;
+    }
+  }
+  // Norms are >= 0, so zero is the neutral element of both reductions.
+  local = local.defined() ? local.reshape({1}).contiguous()
+                          : at::zeros({1}, at::TensorOptions().dtype(acc).device(grads.device));
+  // One collective for the whole model; the current stream waits on NCCL.
+  grads.shard_comm->all_reduce(local, inf_norm ? collectives::ReduceOp::max() : collectives::ReduceOp::sum()).wait();
+  at::Tensor total = inf_norm ? local.reshape({}) : local.reshape({}).pow(1.0 / norm_type);
+  if (error_if_nonfinite) {
+    const double value = total.item<double>();
+    TORCH_CHECK(std::isfinite(value), "fsdp2: ", kApi, ": the total norm of order ", norm_type,
+                " of the gradients over every rank's shards is non-finite (", value,
+                "), so it cannot be clipped. To disable this error and scale the gradients by the non-finite norm "
+                "anyway, pass error_if_nonfinite=false");
   }
   return total;
+}
+
+void clip_grads_with_norm_(const FSDPModule& root, double max_norm, const at::Tensor& total_norm) {
+  constexpr const char* kApi = "clip_grads_with_norm_";
+  TORCH_CHECK(total_norm.defined() && total_norm.numel() == 1, "fsdp2: ", kApi,
+              ": total_norm must be a one-element tensor (get_total_norm's result), got ",
+              total_norm.defined() ? c10::str("shape ", total_norm.sizes()) : std::string("an undefined tensor"));
+  c10::NoGradGuard no_grad;
+  const at::Tensor coef = at::clamp_max(max_norm / (total_norm.reshape({}) + 1e-6), 1.0);
+  for (auto& b : all_buckets(collect_grads(root, kApi))) {
+    at::_foreach_mul_(b.grads, coef.to(b.device));
+  }
+}
+
+double clip_grad_norm_(const FSDPModule& root, double max_norm, double norm_type, bool error_if_nonfinite) {
+  const at::Tensor total = get_total_norm(root, norm_type, error_if_nonfinite);
+  clip_grads_with_norm_(root, max_norm, total);
+  return total.item<double>();
 }
 
 }  // namespace fsdp

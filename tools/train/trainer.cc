@@ -238,7 +238,7 @@ void run_training(const TrainConfig& c, const std::shared_ptr<fsdp::collectives:
     const at::Tensor logits = fsdp::call_module(*model, inputs);  // the root, through its FSDP hooks
     const at::Tensor loss = at::cross_entropy_loss(logits.flatten(0, 1).to(at::kFloat), targets.flatten());
     loss.backward();
-    if (c.clip > 0 && root) fsdp::clip_grad_norm_(*root, c.clip);
+    if (c.clip > 0 && root) fsdp::clip_grads_with_norm_(*root, c.clip, fsdp::get_total_norm(*root));  // no host sync
     if (c.clip > 0 && !root) torch::nn::utils::clip_grad_norm_(model->parameters(), c.clip);
     optim.step();
     const double local_loss = loss.item<double>();
