@@ -23,12 +23,15 @@ double clip_grad_norm_(const FSDPModule& root, double max_norm, double norm_type
   }
   const auto& comm = root.mesh().group(root.mesh().ndim() - 1);
   c10::NoGradGuard no_grad;
-  // Accumulate in fp32 (at least), on the gradients' device.
+  // Accumulate in fp32 (at least), on the gradients' device; with CPU offload
+  // (OffloadPolicy) the gradients are on the host but the collective needs
+  // the mesh's device, so each term is moved there.
   at::TensorOptions options = at::TensorOptions().dtype(at::kFloat);
   if (!grads.empty()) {
     options = options.device(grads.front().device());
     if (grads.front().scalar_type() == at::kDouble) options = options.dtype(at::kDouble);
-  } else if (root.mesh().device_type() != c10::kCPU) {
+  }
+  if (root.mesh().device_type() != c10::kCPU && options.device().is_cpu()) {
     options = options.device(c10::Device(root.mesh().device_type()));
   }
   at::Tensor local = at::zeros({1}, options);
@@ -36,9 +39,9 @@ double clip_grad_norm_(const FSDPModule& root, double max_norm, double norm_type
     if (g.numel() == 0) continue;
     at::Tensor gf = g.to(options.dtype());
     if (inf_norm) {
-      local = at::maximum(local, gf.abs().max().reshape({1}));
+      local = at::maximum(local, gf.abs().max().reshape({1}).to(local.device()));
     } else {
-      local += gf.abs().pow(norm_type).sum().reshape({1});
+      local += gf.abs().pow(norm_type).sum().reshape({1}).to(local.device());
     }
   }
   comm->all_reduce(local, inf_norm ? collectives::ReduceOp::max() : collectives::ReduceOp::sum()).wait();
