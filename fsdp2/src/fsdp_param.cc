@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/StorageImpl.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 #include <c10/util/strides.h>
 #include <torch/csrc/autograd/variable.h>
@@ -38,8 +39,13 @@ at::Tensor alias_storage(const at::Tensor& base, int64_t offset, c10::IntArrayRe
 }  // namespace
 
 FSDPParam::FSDPParam(at::Tensor param, std::string fqn, int64_t shard_rank, int64_t shard_world_size,
-                     c10::ScalarType param_dtype)
-    : param_(std::move(param)), fqn_(std::move(fqn)), rank_(shard_rank), world_size_(shard_world_size) {
+                     c10::ScalarType param_dtype, const OffloadPolicy& offload, std::optional<c10::Device> device)
+    : param_(std::move(param)),
+      fqn_(std::move(fqn)),
+      rank_(shard_rank),
+      world_size_(shard_world_size),
+      offload_to_cpu_(offload.offload_to_cpu),
+      pin_memory_(offload.offload_to_cpu && offload.pin_memory) {
   unsharded_shape_ = param_.sizes().vec();
   unsharded_numel_ = param_.numel();
   // A 0-dim parameter is sharded as one row.
@@ -54,13 +60,16 @@ FSDPParam::FSDPParam(at::Tensor param, std::string fqn, int64_t shard_rank, int6
   if (param_.dim() > 0) sharded_shape_[0] = local_rows;
 
   const auto options = param_.options().requires_grad(false);
+  // See [Note: CPU offload].
+  const auto shard_options = offload_to_cpu_ ? options.device(c10::kCPU).pinned_memory(pin_memory_) : options;
+  const auto unsharded_options = offload_to_cpu_ && device ? options.device(*device) : options;
   c10::NoGradGuard no_grad;
   at::Tensor full = param_.detach().reshape({rows, row_numel});
-  padded_shard_ = at::zeros({padded_shard_numel_}, options);
+  padded_shard_ = at::zeros({padded_shard_numel_}, shard_options);
   padded_shard_.narrow(0, 0, local_rows * row_numel).copy_(full.narrow(0, offset, local_rows).reshape({-1}));
   sharded_view_ = padded_shard_.narrow(0, 0, local_rows * row_numel).view(sharded_shape_);
 
-  unsharded_buffer_ = at::empty({world_size_ * padded_shard_numel_}, options.dtype(param_dtype));
+  unsharded_buffer_ = at::empty({world_size_ * padded_shard_numel_}, unsharded_options.dtype(param_dtype));
   unsharded_view_ = unsharded_buffer_.narrow(0, 0, unsharded_numel_).view(unsharded_shape_);
   free_storage(unsharded_buffer_);
 
@@ -145,7 +154,16 @@ void FSDPParam::run_post_accumulate_grad_hooks() {
   }
   post_acc_grad_hooks_pending_ = false;
   if (!param_.requires_grad()) return;
-  if (auto& hooks = torch::autograd::impl::post_acc_grad_hooks(param_)) (*hooks)(param_);
+  if (auto& hooks = torch::autograd::impl::post_acc_grad_hooks(param_)) {
+    // An optimizer step in backward reads the host gradient.
+    wait_for_grad_offload();
+    (*hooks)(param_);
+  }
+}
+
+void FSDPParam::wait_for_grad_offload() {
+  grad_offload_done_.synchronize();
+  grad_offload_done_ = DeviceEvent();
 }
 
 at::Tensor FSDPParam::take_autograd_grad() {
@@ -196,6 +214,10 @@ void FSDPParam::accumulate_sharded_grad(const at::Tensor& reduced_padded_chunk) 
   const int64_t local_numel = c10::multiply_integers(sharded_shape_);
   TORCH_INTERNAL_ASSERT(reduced_padded_chunk.is_contiguous() && reduced_padded_chunk.numel() >= local_numel);
   c10::NoGradGuard no_grad;
+  if (offload_to_cpu_ && !reduced_padded_chunk.is_cpu()) {
+    accumulate_offloaded_grad(reduced_padded_chunk.narrow(0, 0, local_numel).view(sharded_shape_));
+    return;
+  }
   at::Tensor reduced = reduced_padded_chunk.scalar_type() == orig_dtype()
                            ? reduced_padded_chunk
                            : reduced_padded_chunk.narrow(0, 0, local_numel).to(orig_dtype());
@@ -207,6 +229,27 @@ void FSDPParam::accumulate_sharded_grad(const at::Tensor& reduced_padded_chunk) 
   } else {
     target = reduced;
   }
+}
+
+void FSDPParam::accumulate_offloaded_grad(const at::Tensor& reduced) {
+  // FSDP2 (foreach_reduce): the reduced shard is copied to the host on the
+  // stream that produced it. Without pinned memory, or when it is added to a
+  // gradient already there (the CPU addition needs its values), the copy
+  // blocks the host.
+  const at::Tensor grad = reduced.scalar_type() == orig_dtype() ? reduced : reduced.to(orig_dtype());
+  at::Tensor& target = state_ == ShardedState::kSharded ? param_.mutable_grad() : sharded_grad_;
+  if (target.defined()) {
+    wait_for_grad_offload();  // the earlier copy into `target`
+    target.add_(grad.to(c10::kCPU));
+    return;
+  }
+  at::Tensor host = at::empty(sharded_shape_, grad.options().device(c10::kCPU).pinned_memory(pin_memory_));
+  host.copy_(grad, /*non_blocking=*/pin_memory_);
+  if (pin_memory_) {
+    const auto* impl = c10::impl::getDeviceGuardImpl(grad.device().type());
+    grad_offload_done_ = DeviceEvent::record(impl->getStream(grad.device()));
+  }
+  target = std::move(host);
 }
 
 namespace {

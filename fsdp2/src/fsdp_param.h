@@ -27,15 +27,31 @@
 // dtype drops P's AccumulateGrad node, which is harmless here: fsdp2 hooks
 // module inputs and outputs, never the node, and a new node is made (at the
 // full shape, in param_dtype) at the next use of the unsharded P.
+//
+// [Note: CPU offload] With OffloadPolicy::offload_to_cpu the padded shard
+// (and so the sharded P, its sharded .grad and the optimizer state) is in
+// host memory, pinned when asked, while the all-gather output buffer is on the
+// device: P moves between the host and the device with set_data, which, as
+// for a dtype change, drops P's AccumulateGrad node (harmless, see above).
+// The group copies the shard to the device before the all-gather;
+// accumulate_sharded_grad copies the reduced gradient back to the host
+// without blocking when the memory is pinned and records an event, which
+// wait_for_grad_offload (end of backward, post-accumulate-grad hooks, the
+// next accumulation) blocks on.
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 #include <torch/csrc/autograd/function_hook.h>
+
+#include "fsdp2/fully_shard.h"
+#include "streams.h"
 
 namespace fsdp::detail {
 
@@ -51,8 +67,13 @@ class FSDPParam {
   // and points the parameter at them.
   // The unsharded parameter (all-gather output) is in `param_dtype`, which
   // may differ from the parameter's own dtype (mixed precision).
+  // With `offload.offload_to_cpu` the shard is kept in host memory (pinned
+  // when offload.pin_memory) and the unsharded buffer is made on `device`
+  // (the param may then be on the CPU or on `device`); otherwise both are on
+  // the parameter's device and `device` is unused.
   FSDPParam(at::Tensor param, std::string fqn, int64_t shard_rank, int64_t shard_world_size,
-            c10::ScalarType param_dtype);
+            c10::ScalarType param_dtype, const OffloadPolicy& offload = {},
+            std::optional<c10::Device> device = std::nullopt);
 
   const at::Tensor& param() const { return param_; }
   const std::string& fqn() const { return fqn_; }
@@ -76,6 +97,12 @@ class FSDPParam {
   c10::ScalarType orig_dtype() const { return padded_shard_.scalar_type(); }
   // The dtype of the unsharded parameter.
   c10::ScalarType param_dtype() const { return unsharded_buffer_.scalar_type(); }
+  // See [Note: CPU offload]. pin_memory() is false without offload.
+  bool offload_to_cpu() const { return offload_to_cpu_; }
+  bool pin_memory() const { return pin_memory_; }
+  // Blocks the host until the last non-blocking copy of a reduced gradient
+  // into this parameter's host gradient finished. No-op when none is pending.
+  void wait_for_grad_offload();
 
   // Allocates the all-gather output buffer's storage (no-op when allocated)
   // and returns it viewed as (world, padded_shard_numel) for the copy-out.
@@ -103,7 +130,9 @@ class FSDPParam {
   // until a backward that reduces.
   void accumulate_unsharded_grad(at::Tensor grad, c10::ScalarType reduce_dtype);
   // Adds a reduced gradient (this rank's padded chunk, padded_shard_numel()
-  // elements, any dtype) to the sharded gradient, in orig_dtype().
+  // elements, any dtype) to the sharded gradient, in orig_dtype(). Offload:
+  // the chunk is on the device and is copied to the host on the current
+  // stream (see [Note: CPU offload]).
   void accumulate_sharded_grad(const at::Tensor& reduced_padded_chunk);
   // Runs P's post-accumulate-grad hooks with the sharded gradient (deferred
   // to the next reshard while P is unsharded). While P holds full gradients
@@ -130,6 +159,7 @@ class FSDPParam {
  private:
   void stash_sharded_grad();
   void restore_sharded_grad();
+  void accumulate_offloaded_grad(const at::Tensor& reduced);
   void hide_post_accumulate_grad_hooks();
   void restore_post_accumulate_grad_hooks();
 
@@ -152,6 +182,9 @@ class FSDPParam {
   std::unique_ptr<torch::autograd::PostAccumulateGradHook> post_acc_grad_hooks_aside_;
   bool post_acc_grad_hooks_pending_ = false;
   ShardedState state_ = ShardedState::kSharded;
+  bool offload_to_cpu_ = false;
+  bool pin_memory_ = false;
+  DeviceEvent grad_offload_done_;  // after the last non-blocking gradient copy to the host
 };
 
 }  // namespace fsdp::detail

@@ -110,10 +110,12 @@ std::string describe_reduce(const collectives::ReduceOp& op, collectives::Backen
 
 FSDPParamGroup::FSDPParamGroup(std::vector<at::Tensor> params, std::vector<std::string> param_names, DeviceMesh mesh,
                                c10::Device device, const MixedPrecisionPolicy& mp_policy,
-                               std::shared_ptr<collectives::Communicator> post_forward_comm)
+                               std::shared_ptr<collectives::Communicator> post_forward_comm,
+                               const OffloadPolicy& offload_policy)
     : mesh_(std::move(mesh)),
       post_forward_comm_(std::move(post_forward_comm)),
       device_(device),
+      offload_to_cpu_(offload_policy.offload_to_cpu),
       self_ref_(std::make_shared<FSDPParamGroup*>(this)) {
   TORCH_INTERNAL_ASSERT(!params.empty());
   shard_comm_ = mesh_.group(mesh_.ndim() - 1);
@@ -122,7 +124,7 @@ FSDPParamGroup::FSDPParamGroup(std::vector<at::Tensor> params, std::vector<std::
   reduce_dtype_ = mp_policy.reduce_dtype.value_or(param_dtype_);
   for (size_t i = 0; i < params.size(); ++i) {
     params_.push_back(std::make_unique<FSDPParam>(std::move(params[i]), std::move(param_names[i]), shard_comm_->rank(),
-                                                  shard_comm_->size(), param_dtype_));
+                                                  shard_comm_->size(), param_dtype_, offload_policy, device_));
     padded_numels_.push_back(params_.back()->padded_shard_numel());
     padded_total_ += padded_numels_.back();
   }
@@ -165,7 +167,8 @@ void FSDPParamGroup::unshard(bool async_op) {
   // rank-major layout either way, so the copy-out is the same.
   const bool from_post_forward = sharded_state_ == ShardedState::kShardedPostForward;
   const auto& comm = from_post_forward ? post_forward_comm_ : shard_comm_;
-  const auto options = params_.front()->padded_shard().options().dtype(param_dtype_);
+  // Offload: the shards are on the host, the all-gather on `device_`.
+  const auto options = params_.front()->padded_shard().options().dtype(param_dtype_).device(device_);
   const int64_t world = shard_comm_->size();
   at::Tensor output;
   at::Tensor input;
@@ -193,16 +196,29 @@ void FSDPParamGroup::unshard(bool async_op) {
         sources.reserve(params_.size());
         for (const auto& p : params_) {
           p->reset_sharded_param();  // see [Note: replaced parameter data]
+          if (offload_to_cpu_ && p->orig_dtype() != param_dtype_) {
+            // Cast on the device, not on the host.
+            sources.push_back(p->padded_shard().to(device_, /*non_blocking=*/true));
+            continue;
+          }
           // Mixed precision: the shard is cast to param_dtype on the way in.
           sources.push_back(p->orig_dtype() == param_dtype_ ? p->padded_shard() : p->padded_shard().to(param_dtype_));
         }
-        at::_foreach_copy_(input.split_with_sizes(padded_numels_), sources);
+        std::vector<at::Tensor> dests = input.split_with_sizes(padded_numels_);
+        if (offload_to_cpu_) {
+          // See [Note: CPU offload]: asynchronous from pinned memory, on this
+          // copy-in stream.
+          for (size_t i = 0; i < dests.size(); ++i) dests[i].copy_(sources[i], /*non_blocking=*/true);
+        } else {
+          at::_foreach_copy_(dests, sources);
+        }
       }
     }
   }
   AllGatherResult result;
   result.async_op = async_op;
   result.copy_in_done = DeviceEvent::record(copy_in_stream);
+  if (offload_to_cpu_) offload_copy_in_done_ = result.copy_in_done;
   result.all_gather_stream = all_gather_stream;
   {
     OptionalStreamGuard guard(all_gather_stream);
@@ -544,6 +560,9 @@ void FSDPParamGroup::finalize_backward() {
   wait_for_post_backward();
   post_reduce_done_.block(comm_ctx_->streams.current_stream());
   post_reduce_done_ = DeviceEvent();
+  // The optimizer steps on the host gradients next (FSDP2 synchronizes its
+  // grad_offload_event here).
+  wait_for_offload_copies();
   if (all_gather_) {
     // A backward prefetch that no backward used.
     all_gather_->work.wait();
@@ -563,6 +582,7 @@ void FSDPParamGroup::reset_iter_state() {
   };
   if (all_gather_) wait_quietly(all_gather_->work);
   all_gather_.reset();
+  wait_for_offload_copies();
   if (pending_reduce_) wait_quietly(pending_reduce_->work);
   pending_reduce_.reset();
   if (comm_ctx_ != nullptr && comm_ctx_->pending_reduce_group == this) comm_ctx_->pending_reduce_group = nullptr;
@@ -576,6 +596,15 @@ void FSDPParamGroup::reset_iter_state() {
   reshard_after_forward_done_ = DeviceEvent();
   post_reduce_done_ = DeviceEvent();
   training_state_ = TrainingState::kIdle;
+}
+
+void FSDPParamGroup::wait_for_offload_copies() {
+  if (!offload_to_cpu_) return;
+  // A copy-in not followed by a backward that waited for it (a forward
+  // without backward, parameters without gradients) may still read a shard.
+  offload_copy_in_done_.synchronize();
+  offload_copy_in_done_ = DeviceEvent();
+  for (const auto& p : params_) p->wait_for_grad_offload();
 }
 
 int64_t FSDPParamGroup::unsharded_storage_bytes() const {

@@ -119,10 +119,12 @@ class FSDPParamGroup {
  public:
   // `mesh` is 1-D (FSDP) or 2-D (replicate, shard) for HSDP.
   // `post_forward_comm`, when set, is the group of consecutive shard ranks to
-  // reshard to after forward (reshard_after_forward = k).
+  // reshard to after forward (reshard_after_forward = k). `offload_policy`:
+  // see OffloadPolicy (the caller checked that `device` is not the CPU).
   FSDPParamGroup(std::vector<at::Tensor> params, std::vector<std::string> param_names, DeviceMesh mesh,
                  c10::Device device, const MixedPrecisionPolicy& mp_policy,
-                 std::shared_ptr<collectives::Communicator> post_forward_comm);
+                 std::shared_ptr<collectives::Communicator> post_forward_comm,
+                 const OffloadPolicy& offload_policy = {});
   FSDPParamGroup(const FSDPParamGroup&) = delete;
   FSDPParamGroup& operator=(const FSDPParamGroup&) = delete;
 
@@ -140,6 +142,12 @@ class FSDPParamGroup {
   void clear_post_forward_comm() { post_forward_comm_ = nullptr; }
   const DeviceMesh& mesh() const { return mesh_; }
   c10::Device device() const { return device_; }
+  // The shards and sharded gradients live in host memory (OffloadPolicy).
+  bool offload_to_cpu() const { return offload_to_cpu_; }
+  // Blocks the host until no copy between the host shards (or sharded
+  // gradients) and the device is in flight, so that the host may write them.
+  // No-op without offload.
+  void wait_for_offload_copies();
 
   // Issues the all-gather (copy-in, collective). No-op when unsharded or
   // already issued. `async_op`: issued for a later wait (explicit prefetch).
@@ -184,6 +192,9 @@ class FSDPParamGroup {
   c10::ScalarType param_dtype_;
   c10::ScalarType reduce_dtype_;
   c10::Device device_;
+  bool offload_to_cpu_ = false;
+  // Offload: after the last host-to-device copy-in of the shards.
+  DeviceEvent offload_copy_in_done_;
   std::vector<int64_t> padded_numels_;
   int64_t padded_total_ = 0;
   std::string module_fqn_;

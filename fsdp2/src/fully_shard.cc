@@ -129,8 +129,6 @@ FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, const F
               "': MixedPrecisionPolicy::param_dtype must be a floating-point type, got ", *mp.param_dtype);
   TORCH_CHECK(!mp.reduce_dtype || c10::isFloatingType(*mp.reduce_dtype), "fully_shard: module '", name,
               "': MixedPrecisionPolicy::reduce_dtype must be a floating-point type, got ", *mp.reduce_dtype);
-  TORCH_CHECK(!options.offload_policy.offload_to_cpu, "fully_shard: module '", name,
-              "': CPU offload is not supported yet; leave OffloadPolicy::offload_to_cpu false");
 
   auto children = detail::descendant_states(*module);
   std::optional<DeviceMesh> mesh = options.mesh;
@@ -151,6 +149,17 @@ FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, const F
   }
   detail::check_mesh(*mesh, name);
   const c10::Device device = detail::mesh_device(*mesh);
+  const bool offload = options.offload_policy.offload_to_cpu;
+  if (offload && device.type() == c10::kCPU) {
+    const std::string fqn = detail::fqn_in_sharded_roots(*module);
+    TORCH_CHECK(false, "fully_shard: module ", fqn.empty() ? "" : "'" + fqn + "' ", "(", name,
+                "): OffloadPolicy::offload_to_cpu needs a CUDA mesh, but the mesh ", mesh->to_string(), " is on CPU",
+                options.mesh ? ""
+                             : " (FullyShardOptions::mesh is unset: the default mesh follows the "
+                               "parameters' device)",
+                ", where the sharded parameters already live in host memory. Pass a CUDA mesh "
+                "(fsdp::init_device_mesh(world, c10::kCUDA, ...)) to offload, or leave offload_to_cpu false.");
+  }
 
   // Parameters already managed by sharded submodules stay theirs; ignored
   // ones are left to the user.
@@ -209,9 +218,14 @@ FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, const F
                 "any backward, then build the optimizer over the sharded parameters (an optimizer built or "
                 "stepped before keeps state of the unsharded shape). To keep the model, call "
                 "optimizer.zero_grad() (or reset each parameter's grad) before fully_shard.");
-    TORCH_CHECK(p.device().type() == device.type() && (device.type() == c10::kCPU || p.device() == device),
-                "fully_shard: parameter '", item.key(), "' of module '", name, "' is on ", p.device(),
-                " but the mesh's device is ", device, "; move the module to ", device, " before sharding");
+    // With CPU offload the shards go to the host anyway, so a model built on
+    // the CPU (too large for the device) is sharded from there.
+    const bool on_mesh_device =
+        p.device().type() == device.type() && (device.type() == c10::kCPU || p.device() == device);
+    TORCH_CHECK(on_mesh_device || (offload && p.device().is_cpu()), "fully_shard: parameter '", item.key(),
+                "' of module '", name, "' is on ", p.device(), " but the mesh's device is ", device,
+                "; move the module to ", device, offload ? " (or to the CPU: offload_to_cpu is set)" : "",
+                " before sharding");
     TORCH_CHECK(!mp.param_dtype || p.is_floating_point(), "fully_shard: module '", name, "': parameter '", item.key(),
                 "' is ", p.scalar_type(), "; a MixedPrecisionPolicy::param_dtype needs floating-point parameters");
     if (!params.empty()) {
@@ -229,7 +243,7 @@ FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, const F
   std::unique_ptr<detail::FSDPParamGroup> group;
   if (!params.empty()) {
     group = std::make_unique<detail::FSDPParamGroup>(std::move(params), std::move(names), *mesh, device, mp,
-                                                     std::move(post_forward_comm));
+                                                     std::move(post_forward_comm), options.offload_policy);
   }
   auto state = std::make_shared<FSDPState>(module, *mesh, device, std::move(group), options.reshard_after_forward, mp);
   for (const auto& child : children) {

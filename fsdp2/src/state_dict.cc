@@ -90,9 +90,18 @@ std::vector<Placement> shard_placements(const DeviceMesh& mesh) {
   return {Placement::shard(0)};
 }
 
+// `local` on its mesh's device: with CPU offload (OffloadPolicy) the shards
+// and the optimizer state are in host memory, but a DTensor's local tensor
+// lives on its mesh's device (and the collectives need it there), so such a
+// value is a device copy. Loading copies back into the host shards.
+at::Tensor on_mesh_device(const at::Tensor& local, const Slot& slot) {
+  if (!slot.group->offload_to_cpu() || !local.is_cpu()) return local;
+  return local.to(slot.group->device());
+}
+
 // A DTensor over `local` (laid out as the parameter's sharded rows).
 DTensor sharded_dtensor(const at::Tensor& local, const Slot& slot) {
-  return DTensor::from_local(local, slot.group->mesh(), shard_placements(slot.group->mesh()),
+  return DTensor::from_local(on_mesh_device(local, slot), slot.group->mesh(), shard_placements(slot.group->mesh()),
                              slot.param->unsharded_shape());
 }
 
@@ -102,8 +111,8 @@ at::Tensor gather_full(const at::Tensor& local, const Slot& slot) {
   c10::NoGradGuard no_grad;
   if (!is_scalar(*slot.param)) return sharded_dtensor(local, slot).full_tensor();
   // A 0-dim parameter is sharded as one row, held by the first shard rank.
-  DTensor one = DTensor::from_local(local.reshape({-1}), slot.group->mesh(), shard_placements(slot.group->mesh()),
-                                    std::vector<int64_t>{1});
+  DTensor one = DTensor::from_local(on_mesh_device(local, slot).reshape({-1}), slot.group->mesh(),
+                                    shard_placements(slot.group->mesh()), std::vector<int64_t>{1});
   return one.full_tensor().reshape({});
 }
 
@@ -374,7 +383,7 @@ void regather_unsharded(const std::vector<Target>& targets) {
     const auto& comm = g->mesh().group(g->mesh().ndim() - 1);
     for (const auto& p : g->params()) {
       at::Tensor out = p->alloc_all_gather_output_rows();
-      at::Tensor in = p->padded_shard().to(out.scalar_type());
+      at::Tensor in = p->padded_shard().to(out.device(), out.scalar_type());
       comm->all_gather_into_tensor(out.reshape({-1}), in).wait();
     }
   }
@@ -432,6 +441,10 @@ IncompatibleKeys set_model_state_dict(torch::nn::Module& model, const StateDict&
                        s.param ? s.param->orig_dtype() : e.tensor.scalar_type()});
   }
   check_loadable(targets, kWhat);
+  for (const auto& t : targets) {
+    // CPU offload: no copy may still read a host shard about to be written.
+    if (t.slot.param) t.slot.group->wait_for_offload_copies();
+  }
   std::optional<Header> header;
   const DeviceMesh* mesh = nullptr;
   if (options.broadcast_from_rank0) {

@@ -140,6 +140,10 @@ TEST(FsdpTrainFlags, GlobalBatchMustDivideAmongRanks) {
 
 TEST(FsdpTrainFlags, UnknownDeviceIsRejected) { expect_flag_error({"--device", "tpu"}, "--device", "'tpu'"); }
 
+TEST(FsdpTrainFlags, CpuOffloadNeedsCuda) {
+  expect_flag_error({"--cpu-offload"}, "--cpu-offload needs --device cuda", "(got --device cpu)");
+}
+
 TEST(FsdpTrainFlags, MeshMustCoverTheWorld) {
   expect_flag_error({"--nproc", "2", "--mesh", "3x1"}, "--mesh", "world size is 2");
 }

@@ -84,6 +84,11 @@ absl::Status validate(const TrainConfig& c, int64_t world_size) {
   if (auto mesh = parse_mesh(c.mesh, world_size); !mesh.ok()) return mesh.status();
   if (auto d = parse_dtype("param-dtype", c.param_dtype); !d.ok()) return d.status();
   if (auto d = parse_dtype("reduce-dtype", c.reduce_dtype); !d.ok()) return d.status();
+  if (c.cpu_offload && c.device != "cuda") {
+    return flag_error(absl::StrCat("--cpu-offload needs --device cuda (got --device ", c.device,
+                                   "): on the CPU the shards already live in host memory"));
+  }
+  if (c.cpu_offload && c.no_shard) return flag_error("--no-shard: --cpu-offload is a fully_shard option; drop it");
   if (c.resume && c.save_dir.empty()) {
     return flag_error("--resume needs --save-dir (the directory whose newest checkpoint to continue from)");
   }

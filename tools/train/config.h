@@ -58,6 +58,9 @@ struct TrainConfig {
   // fp32 | bf16 | fp16 (MixedPrecisionPolicy).
   std::string param_dtype = "fp32";
   std::string reduce_dtype = "fp32";
+  // OffloadPolicy::offload_to_cpu for every fully_shard call (CUDA only):
+  // shards, gradients and AdamW state in pinned host memory.
+  bool cpu_offload = false;
   // Intra-op threads per rank; 0: the machine's cores divided among the local ranks.
   int64_t threads = 0;
   // The same model and loop without fully_shard, on one rank: the unsharded

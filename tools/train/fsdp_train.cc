@@ -69,6 +69,9 @@ ABSL_FLAG(int64_t, log_every, kDefaults.log_every, "Print a progress line every 
 ABSL_FLAG(std::string, mesh, "", "RxS: replicate x shard ranks (HSDP when R > 1); default 1 x world size.");
 ABSL_FLAG(std::string, param_dtype, kDefaults.param_dtype, "fp32, bf16 or fp16: MixedPrecisionPolicy.param_dtype.");
 ABSL_FLAG(std::string, reduce_dtype, kDefaults.reduce_dtype, "fp32, bf16 or fp16: MixedPrecisionPolicy.reduce_dtype.");
+ABSL_FLAG(bool, cpu_offload, kDefaults.cpu_offload,
+          "CUDA: keep the sharded parameters, gradients and AdamW state in pinned host memory (fully_shard's "
+          "OffloadPolicy::offload_to_cpu; the optimizer steps on the CPU).");
 ABSL_FLAG(int64_t, threads, kDefaults.threads, "Intra-op threads per rank; 0: the cores divided among local ranks.");
 ABSL_FLAG(bool, no_shard, kDefaults.no_shard,
           "Train the same model without fully_shard on one rank (the unsharded baseline of the benchmarks).");
@@ -114,6 +117,7 @@ fsdp_train::TrainConfig config_from_flags() {
   c.mesh = absl::GetFlag(FLAGS_mesh);
   c.param_dtype = absl::GetFlag(FLAGS_param_dtype);
   c.reduce_dtype = absl::GetFlag(FLAGS_reduce_dtype);
+  c.cpu_offload = absl::GetFlag(FLAGS_cpu_offload);
   c.threads = absl::GetFlag(FLAGS_threads);
   c.no_shard = absl::GetFlag(FLAGS_no_shard);
   c.save_dir = absl::GetFlag(FLAGS_save_dir);

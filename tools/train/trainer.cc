@@ -140,9 +140,9 @@ void print_header(const TrainConfig& c, const fsdp::DeviceMesh& mesh, const Corp
     std::printf("  fsdp    none (--no-shard: the same model unsharded, one rank)\n");
   } else {
     std::printf(
-        "  fsdp    fully_shard on %lld blocks + root, reshard_after_forward=%s, param dtype %s, reduce dtype %s\n",
+        "  fsdp    fully_shard on %lld blocks + root, reshard_after_forward=%s, param dtype %s, reduce dtype %s%s\n",
         static_cast<long long>(m.layers), c.reshard_after_forward ? "true" : "false", c.param_dtype.c_str(),
-        c.reduce_dtype.c_str());
+        c.reduce_dtype.c_str(), c.cpu_offload ? ", CPU offload" : "");
   }
   std::fflush(stdout);
 }
@@ -185,6 +185,7 @@ void run_training(const TrainConfig& c, const std::shared_ptr<fsdp::collectives:
   options.mesh = mesh;
   options.mp_policy.param_dtype = value_or_throw(parse_dtype("param-dtype", c.param_dtype));
   options.mp_policy.reduce_dtype = value_or_throw(parse_dtype("reduce-dtype", c.reduce_dtype));
+  options.offload_policy.offload_to_cpu = c.cpu_offload;
   fsdp::FullyShardOptions block_options = options;
   block_options.reshard_after_forward = c.reshard_after_forward;
   std::function<void(Block&)> shard_block;

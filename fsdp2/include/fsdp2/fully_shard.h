@@ -76,8 +76,65 @@ struct MixedPrecisionPolicy {
   bool cast_forward_inputs = true;
 };
 
-// Offloading as FSDP2's OffloadPolicy / CPUOffloadPolicy. Only the default
-// (no offload) is accepted for now; fully_shard rejects the rest.
+// CPU offload as FSDP2's OffloadPolicy / CPUOffloadPolicy(pin_memory). The
+// default (offload_to_cpu false) offloads nothing.
+//
+// With offload_to_cpu, the sharded state of the module's group lives in host
+// memory: the padded shards, so the sharded parameters that
+// `module->parameters()` returns (P.device() is CPU between steps), their
+// sharded gradients, and therefore the optimizer's state and its step, which
+// run on the CPU. Only the unsharded parameters (all-gather output, between
+// unshard and reshard) and the unreduced gradients of backward are on the
+// mesh's device. The cost is one host-to-device copy of the shard per
+// all-gather and one device-to-host copy of the reduced gradient shard per
+// backward; device memory then holds no sharded state at all.
+//
+//   fsdp::FullyShardOptions opts;
+//   opts.mesh = fsdp::init_device_mesh(world, c10::kCUDA, {world->size()});
+//   opts.offload_policy.offload_to_cpu = true;  // pin_memory stays true
+//   for (auto& block : model->blocks) fsdp::fully_shard(block, opts);
+//   fsdp::fully_shard(model, opts);
+//   torch::optim::AdamW optim(model->parameters(), 1e-3);  // steps on the CPU
+//
+// Semantics (FSDP2's):
+// - Per fully_shard call: each call's group follows its own policy, so a root
+//   without offload may hold blocks with it (the optimizer then sees
+//   parameters on both devices, which torch::optim handles).
+// - The parameters may be on the CPU or on the mesh's device when
+//   fully_shard is called (a model too large for the device can be built on
+//   the CPU); buffers must already be on the mesh's device.
+// - pin_memory: the shards and the gradients copied back are allocated in
+//   page-locked memory (LibTorch's caching host allocator), so that the
+//   copies are asynchronous and overlap compute. false saves pinned memory
+//   (a scarce, per-machine resource) at the price of synchronous copies.
+//   Ignored without offload_to_cpu, as FSDP2 (whose OffloadPolicy has no
+//   pinning) does.
+// - Gradient accumulation (several backwards before a step) sums the
+//   sharded gradients on the CPU, as FSDP2 does; set_requires_gradient_sync
+//   (false) keeps unsharded gradients on the device, as without offload.
+// - State dicts (fsdp2/state_dict.h) work as without offload; a sharded
+//   state dict's DTensors then hold device copies of the local rows (a
+//   DTensor's local tensor lives on its mesh's device), which the setters
+//   copy back into the host shards.
+//
+// Streams (CUDA): the shard is copied to the device with non_blocking on the
+// all-gather copy-in stream (the caller's stream for an explicit unshard),
+// just before the all-gather reads it. After the reduce-scatter (and the
+// HSDP all-reduce and the all-reduce hook) the reduced gradient shard is
+// copied to the host with non_blocking on the stream that produced it, and an
+// event is recorded; the root's end-of-backward callback blocks the host on
+// those events, so `loss.backward()` returns with every sharded gradient in
+// host memory and the optimizer can step at once. A gradient added to an
+// existing one (accumulation) is copied synchronously, as in FSDP2, since the
+// CPU addition needs it. Post-accumulate-grad hooks run after their
+// parameter's copy finished. With set_is_last_backward(false) the callback
+// does not wait (the next backward's accumulation does). Writing the sharded
+// parameters from the host at other times (outside the optimizer step that
+// follows backward, or fsdp::set_model_state_dict, which waits itself) must
+// wait for the device first, e.g. after a forward without backward.
+//
+// REQUIRES (offload_to_cpu): the mesh is on a CUDA (not CPU) device: on a
+// CPU mesh parameters already live in host memory, and fully_shard throws.
 struct OffloadPolicy {
   bool offload_to_cpu = false;
   bool pin_memory = true;
@@ -269,7 +326,8 @@ class FSDPModule {
 // device type, and of one dtype within the module's group; the module is not
 // already sharded, and no ancestor is; a 2-D mesh is named (replicate,
 // shard); an integer reshard_after_forward divides the shard size; a
-// param_dtype is floating point. Throws c10::Error naming
+// param_dtype is floating point; offload_to_cpu only on a non-CPU mesh (then
+// the parameters may also be on the CPU). Throws c10::Error naming
 // the module and parameter otherwise. Collective over the mesh (parameters
 // are not communicated, but the default mesh may be created).
 FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, const FullyShardOptions& options = {});
