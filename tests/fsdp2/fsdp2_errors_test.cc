@@ -92,7 +92,7 @@ TEST(FullyShardErrors, MisuseGivesClearErrors) {
                         "Double");
     }
     {
-      SCOPED_TRACE("offload not supported yet, no mesh");
+      SCOPED_TRACE("offload on a CPU mesh, no mesh");
       FullyShardOptions o = mesh_options(ctx);
       o.offload_policy.offload_to_cpu = true;
       EXPECT_THROW_WITH(fully_shard(MLPBlock(7, 5), o), "offload");
