@@ -162,15 +162,16 @@ void FSDPParamGroup::unshard(bool async_op) {
   if (!settings_.unshard_in_backward && training_state_ == TrainingState::kPreBackward) return;
   TORCH_CHECK(comm_ctx_ != nullptr, "fsdp2: module '", module_fqn_,
               "' is unsharded before its root's first forward; run a forward through the root module first");
+  PhaseScope phase(with_fqn("FSDP::all_gather"));
   if (fast_path_) {
     // Nothing to gather: an already-completed all-gather, after which
     // wait_for_unshard switches the parameters to their unsharded views.
+    // The phase stays, so that profiles show which group unshards when.
     for (const auto& p : params_) p->reset_sharded_param();  // see [Note: replaced parameter data]
     all_gather_.emplace();
     all_gather_->async_op = async_op;
     return;
   }
-  PhaseScope phase(with_fqn("FSDP::all_gather"));
   const StreamSet& streams = comm_ctx_->streams;
   if (!reshard_after_forward_done_.empty()) {
     // The post-forward shard was made on the caller's stream and is read by
