@@ -84,12 +84,20 @@ at::Tensor FSDPParam::alloc_all_gather_output_rows() {
 void FSDPParam::free_unsharded_storage() { free_storage(unsharded_buffer_); }
 
 int64_t FSDPParam::unsharded_storage_bytes() const {
+  if (shard_is_unsharded_) return state_ == ShardedState::kUnsharded ? padded_shard_.nbytes() : 0;
   return static_cast<int64_t>(unsharded_buffer_.storage().nbytes());
+}
+
+void FSDPParam::share_shard_as_unsharded() {
+  TORCH_INTERNAL_ASSERT(state_ == ShardedState::kSharded && world_size_ == 1 &&
+                        padded_shard_numel_ == unsharded_numel_ && param_dtype() == orig_dtype());
+  unsharded_view_ = padded_shard_.view(unsharded_shape_);
+  shard_is_unsharded_ = true;
 }
 
 void FSDPParam::to_unsharded() {
   if (state_ == ShardedState::kUnsharded) return;
-  TORCH_INTERNAL_ASSERT(unsharded_storage_bytes() > 0 || unsharded_numel_ == 0, "fsdp2: ", fqn_,
+  TORCH_INTERNAL_ASSERT(shard_is_unsharded_ || unsharded_storage_bytes() > 0 || unsharded_numel_ == 0, "fsdp2: ", fqn_,
                         " is unsharded before its all-gather output exists");
   stash_sharded_grad();
   hide_post_accumulate_grad_hooks();

@@ -22,6 +22,18 @@
 // never sees a sharded .grad on a full-shape P, and is put back (with the new
 // reduced gradient added) when P is sharded again.
 //
+// [Note: world size 1 fast path] When the shard group has one rank and no
+// dtype is cast (FSDPParamGroup decides, see fsdp_param_group.h), the padded
+// shard has no padding and holds the whole parameter, so
+// share_shard_as_unsharded() makes the unsharded view a full-shape view of
+// the shard itself: no all-gather output buffer is ever allocated,
+// to_unsharded/to_sharded only switch P's view (no copy, no storage freed),
+// and the gradient autograd accumulates is already this rank's sharded
+// gradient. The gradient bookkeeping above is unchanged, so gradients,
+// accumulation and hooks behave exactly as on the all-gather path. One
+// difference shows: an in-place change to the unsharded parameter (under
+// no_grad) writes the shard, where the all-gather path drops it at reshard.
+//
 // [Note: mixed precision] With a param_dtype, the unsharded view is in that
 // dtype and set_data switches P's dtype with its state. set_data to another
 // dtype drops P's AccumulateGrad node, which is harmless here: fsdp2 hooks
@@ -109,8 +121,15 @@ class FSDPParam {
   at::Tensor alloc_all_gather_output_rows();
   // Frees the buffer's storage in place (see the note above).
   void free_unsharded_storage();
-  // Bytes held by the unsharded storage now (0 when freed).
+  // Bytes held by the unsharded storage now (0 when freed). On the fast path
+  // the unsharded parameter is the shard: its bytes while unsharded, else 0.
   int64_t unsharded_storage_bytes() const;
+
+  // [Note: world size 1 fast path] From now on the unsharded parameter is the
+  // shard itself. REQUIRES: sharded, one shard rank, param_dtype() ==
+  // orig_dtype().
+  void share_shard_as_unsharded();
+  bool shard_is_unsharded() const { return shard_is_unsharded_; }
 
   // Points P at the full-shape view of the (filled) buffer.
   void to_unsharded();
@@ -181,6 +200,7 @@ class FSDPParam {
   bool grad_stashed_while_sharded_ = false;
   std::unique_ptr<torch::autograd::PostAccumulateGradHook> post_acc_grad_hooks_aside_;
   bool post_acc_grad_hooks_pending_ = false;
+  bool shard_is_unsharded_ = false;  // see [Note: world size 1 fast path]
   ShardedState state_ = ShardedState::kSharded;
   bool offload_to_cpu_ = false;
   bool pin_memory_ = false;

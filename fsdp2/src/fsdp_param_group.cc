@@ -99,6 +99,17 @@ ReduceOps gradient_reduce_ops(int64_t shard_size, int64_t replicate_size, c10::S
   return ops;
 }
 
+namespace {
+
+// What a one-rank reduce-scatter with `op` makes of its input, done in place:
+// SUM, AVG, MIN and MAX of one value are that value; PREMUL_SUM scales it
+// (as the Gloo path's finishing step does).
+void reduce_one_rank_in_place(const at::Tensor& t, const collectives::ReduceOp& op) {
+  if (op.kind() == collectives::ReduceOp::Kind::kPremulSum) t.mul_(op.factor());
+}
+
+}  // namespace
+
 std::string describe_reduce(const collectives::ReduceOp& op, collectives::BackendKind backend, int64_t world) {
   if (backend != collectives::BackendKind::kGloo) return op.to_string();
   switch (op.kind()) {
@@ -128,6 +139,15 @@ FSDPParamGroup::FSDPParamGroup(std::vector<at::Tensor> params, std::vector<std::
     padded_numels_.push_back(params_.back()->padded_shard_numel());
     padded_total_ += padded_numels_.back();
   }
+  // See [Note: world size 1 fast path]. The shard's device type rules out
+  // shards kept on the host for a device computation.
+  fast_path_ = shard_comm_->size() == 1 && !post_forward_comm_ && reduce_dtype_ == param_dtype_;
+  for (const auto& p : params_) {
+    fast_path_ = fast_path_ && p->orig_dtype() == param_dtype_ && p->padded_shard().device().type() == device_.type();
+  }
+  if (fast_path_) {
+    for (const auto& p : params_) p->share_shard_as_unsharded();
+  }
 }
 
 void FSDPParamGroup::lazy_init(FSDPCommContext* comm_ctx, std::string module_fqn) {
@@ -145,6 +165,15 @@ void FSDPParamGroup::unshard(bool async_op) {
   TORCH_CHECK(comm_ctx_ != nullptr, "fsdp2: module '", module_fqn_,
               "' is unsharded before its root's first forward; run a forward through the root module first");
   PhaseScope phase(with_fqn("FSDP::all_gather"));
+  if (fast_path_) {
+    // Nothing to gather: an already-completed all-gather, after which
+    // wait_for_unshard switches the parameters to their unsharded views.
+    // The phase stays, so that profiles show which group unshards when.
+    for (const auto& p : params_) p->reset_sharded_param();  // see [Note: replaced parameter data]
+    all_gather_.emplace();
+    all_gather_->async_op = async_op;
+    return;
+  }
   const StreamSet& streams = comm_ctx_->streams;
   if (!reshard_after_forward_done_.empty()) {
     // The post-forward shard was made on the caller's stream and is read by
@@ -235,6 +264,10 @@ void FSDPParamGroup::wait_for_unshard() {
   if (!all_gather_) return;
   AllGatherResult result = std::move(*all_gather_);
   all_gather_.reset();
+  if (fast_path_) {
+    to_unsharded();
+    return;
+  }
   const StreamSet& streams = comm_ctx_->streams;
   {
     PhaseScope phase(with_fqn("FSDP::all_gather_wait"));
@@ -436,6 +469,10 @@ void FSDPParamGroup::post_backward() {
   wait_for_post_backward();
   const StreamSet& streams = comm_ctx_->streams;
   const ReduceOps ops = reduce_ops();
+  if (fast_path_) {
+    reduce_in_place(params_with_grad, grads, ops);
+    return;
+  }
   const int64_t world = shard_comm_->size();
   int64_t total = 0;
   for (FSDPParam* p : params_with_grad) total += p->padded_shard_numel();
@@ -487,6 +524,48 @@ void FSDPParamGroup::post_backward() {
     // backward.
     comm_ctx_->pending_reduce_group = this;
   }
+}
+
+void FSDPParamGroup::reduce_in_place(std::vector<FSDPParam*>& params, std::vector<at::Tensor>& grads,
+                                     const ReduceOps& ops) {
+  c10::NoGradGuard no_grad;
+  auto scale = [&ops](const at::Tensor& t) {
+    if (ops.pre_divide != 1.0) t.div_(ops.pre_divide);
+    reduce_one_rank_in_place(t, ops.reduce_scatter);
+  };
+  if (replicate_comm_ || settings_.reduced_grad_hook) {
+    // The all-reduce and the hook take the group's gradients as one tensor:
+    // the one-rank reduce-scatter's input is its output.
+    std::vector<at::Tensor> flat;
+    flat.reserve(grads.size());
+    for (const at::Tensor& g : grads) flat.push_back(g.reshape({-1}));
+    at::Tensor output = at::cat(flat);
+    flat.clear();
+    grads.clear();
+    scale(output);
+    pending_reduce_ = PendingReduce{collectives::Work(),
+                                    std::move(output),
+                                    std::move(params),
+                                    ops.all_reduce,
+                                    ops.post_divide,
+                                    settings_.all_reduce_grads,
+                                    comm_ctx_->streams.current_stream()};
+    wait_for_post_backward();
+    return;
+  }
+  for (size_t i = 0; i < params.size(); ++i) {
+    // Autograd's gradient (or the no-sync sum), which nothing else
+    // references, becomes the sharded gradient or is added to the one kept
+    // from an earlier backward.
+    at::Tensor g = grads[i].requires_grad() ? grads[i].detach() : std::move(grads[i]);
+    grads[i] = at::Tensor();
+    if (!g.is_contiguous()) g = g.contiguous();
+    scale(g);
+    if (ops.post_divide != 1.0) g.div_(ops.post_divide);
+    params[i]->accumulate_sharded_grad(g.view({-1}));
+  }
+  // Optimizer-in-backward: the hooks see the sharded gradient, as in FSDP2.
+  for (FSDPParam* p : params) p->run_post_accumulate_grad_hooks();
 }
 
 void FSDPParamGroup::wait_for_post_backward() {

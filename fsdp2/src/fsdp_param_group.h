@@ -115,6 +115,19 @@ ReduceOps gradient_reduce_ops(int64_t shard_size, int64_t replicate_size, c10::S
 // scaling.
 std::string describe_reduce(const collectives::ReduceOp& op, collectives::BackendKind backend, int64_t world);
 
+// [Note: world size 1 fast path] A group whose shard group has one rank
+// (FSDP at world size 1, HSDP with shard size 1), whose parameters all have
+// param_dtype and reduce_dtype as their own dtype and live on the compute
+// device, skips what a one-rank all-gather and reduce-scatter would only
+// copy: each parameter's unsharded view is its shard (see the note in
+// fsdp_param.h), unshard and reshard switch views, and post-backward takes
+// the gradients autograd accumulated as the reduce-scatter's output,
+// scaled in place as the reduce-scatter and the divisions around it would
+// scale them (at a data-parallel world of one: not at all). With an HSDP
+// all-reduce or an all-reduce hook, which see the group's gradients as one
+// tensor, they are first copied into one buffer (the copy-in at one rank)
+// and the reduction goes on as on the general path. No all-gather or
+// reduce-scatter is counted in RuntimeStats.
 class FSDPParamGroup {
  public:
   // `mesh` is 1-D (FSDP) or 2-D (replicate, shard) for HSDP.
@@ -173,6 +186,8 @@ class FSDPParamGroup {
 
   int64_t unsharded_storage_bytes() const;
   std::string with_fqn(const char* label) const;
+  // See [Note: world size 1 fast path].
+  bool fast_path() const { return fast_path_; }
 
  private:
   void to_sharded();
@@ -181,6 +196,8 @@ class FSDPParamGroup {
   void backward_prefetch();
   void register_post_backward(TensorRefs& inputs);
   ReduceOps reduce_ops() const;
+  // Fast path: the one-rank reduce-scatter of `grads` done in place.
+  void reduce_in_place(std::vector<FSDPParam*>& params, std::vector<at::Tensor>& grads, const ReduceOps& ops);
 
   std::vector<std::unique_ptr<FSDPParam>> params_;
   DeviceMesh mesh_;
@@ -198,6 +215,7 @@ class FSDPParamGroup {
   std::vector<int64_t> padded_numels_;
   int64_t padded_total_ = 0;
   std::string module_fqn_;
+  bool fast_path_ = false;  // see [Note: world size 1 fast path]
   FSDPCommContext* comm_ctx_ = nullptr;
   GroupSettings settings_;
   TrainingState training_state_ = TrainingState::kIdle;

@@ -192,6 +192,11 @@ class FSDPState;
 // on CPU (Gloo) that is exactly the communication not hidden behind
 // compute; on CUDA the host rarely blocks (streams wait instead), so use a
 // profiler (the phases are labelled) for exposed GPU communication.
+// A module whose shard group has one rank and that casts no dtype (FSDP at
+// world size 1, HSDP with shard size 1, no mixed precision) neither
+// all-gathers nor reduce-scatters: its parameters are their shards. It adds
+// nothing to the counts and bytes (its HSDP all-reduce, which still runs, has
+// no counter; its wait is in reduce_scatter_wait_seconds).
 struct RuntimeStats {
   int64_t all_gathers = 0;
   int64_t reduce_scatters = 0;
@@ -310,7 +315,10 @@ class FSDPModule {
   void reset_runtime_stats();
 
   // Bytes held now by this module's unsharded parameter storage (0 when
-  // resharded): for checking that reshard really frees memory.
+  // resharded): for checking that reshard really frees memory. Where the
+  // unsharded parameters are the shards themselves (one shard rank, no dtype
+  // cast; see RuntimeStats), it counts their bytes while unsharded: memory
+  // that the shards hold anyway, which reshard does not free.
   int64_t unsharded_bytes() const;
 
   // Internal.
