@@ -148,7 +148,7 @@ void expect_clip_matches_reference(testing::RankContext& ctx, const ClipCase& c)
   for (size_t d = 0; d + 1 < counters.size(); ++d) EXPECT_EQ(counters[d]->all_reduces.load(), 0);
 
   for (const auto& item : reference->named_parameters()) {
-    const at::Tensor& sharded = model->named_parameters()[item.key()];
+    const at::Tensor sharded = model->named_parameters()[item.key()];  // a copy: the dict is a temporary
     expect_close(full_param(sharded.grad(), item.value().sizes().vec(), ctx.mesh()), item.value().grad(), item.key());
   }
 }
@@ -281,7 +281,7 @@ TEST_P(ClipGrad, IgnoredParametersCountOnce) {
       expect_close(model->scale.grad(), reference->scale.grad(), "scale (ignored)");
       for (const auto& item : reference->named_parameters()) {
         if (item.key() == "scale") continue;
-        const at::Tensor& sharded = model->named_parameters()[item.key()];
+        const at::Tensor sharded = model->named_parameters()[item.key()];  // a copy: the dict is a temporary
         expect_close(full_param(sharded.grad(), item.value().sizes().vec(), ctx.mesh()), item.value().grad(),
                      item.key());
       }

@@ -331,7 +331,7 @@ TEST_P(Runtime, DivideFactorAppliesToItsOwnGroupAndTheHookSeesTheSum) {
     call_module(*model, local.x, local.y).backward();
     for (const auto& item : reference->named_parameters()) {
       const double scale = item.key().rfind("head.", 0) == 0 ? 2.0 * world : 1.0;
-      const at::Tensor& sharded = model->named_parameters()[item.key()];
+      const at::Tensor sharded = model->named_parameters()[item.key()];  // a copy: the dict is a temporary
       expect_close(full_param(sharded.grad(), item.value().sizes().vec(), ctx.mesh()), item.value().grad() * scale,
                    item.key());
     }
@@ -443,7 +443,7 @@ TEST_P(Runtime, ClipGradNormInfinityNorm) {
     EXPECT_NEAR(total, ref_max, 1e-6 * ref_max);
     const double coef = max_norm / (ref_max + 1e-6);
     for (const auto& item : reference->named_parameters()) {
-      const at::Tensor& sharded = model->named_parameters()[item.key()];
+      const at::Tensor sharded = model->named_parameters()[item.key()];  // a copy: the dict is a temporary
       expect_close(full_param(sharded.grad(), item.value().sizes().vec(), ctx.mesh()), item.value().grad() * coef,
                    item.key());
     }
