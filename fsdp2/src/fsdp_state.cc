@@ -222,21 +222,24 @@ std::string FSDPState::call_around_hooks_message(const std::string* error) const
     if (!s || !s->group_ || s->group_->is_unsharded()) continue;
     for (const auto& p : s->group_->params()) {
       if (p->sharded_shape() == p->unsharded_shape()) continue;
-      const std::string used = c10::str("fsdp2: parameter '", p->fqn(), "' was used in forward while sharded (shape ",
-                                        c10::IntArrayRef(p->sharded_shape()), " of ",
-                                        c10::IntArrayRef(p->unsharded_shape()), "): module '", s->fqn_, "' was ");
+      // Runs after every root forward: build the message only on a finding.
+      auto used = [&] {
+        return c10::str("fsdp2: parameter '", p->fqn(), "' was used in forward while sharded (shape ",
+                        c10::IntArrayRef(p->sharded_shape()), " of ", c10::IntArrayRef(p->unsharded_shape()),
+                        "): module '", s->fqn_, "' was ");
+      };
       auto node = torch::autograd::impl::try_get_grad_accumulator(p->param());
       if (node && node->num_inputs() > 0) {
         const auto sym_shape = node->input_metadata(0).shape_as_dim_vector();
         std::vector<int64_t> shape;
         for (const auto& d : sym_shape) shape.push_back(d.guard_int(__FILE__, __LINE__));
         if (shape == p->sharded_shape()) {
-          return c10::str(used, "called around its hooks (e.g. module->forward(x) or a TORCH_MODULE holder). ",
+          return c10::str(used(), "called around its hooks (e.g. module->forward(x) or a TORCH_MODULE holder). ",
                           kCallThroughHooks);
         }
       }
       if (probable.empty() && error != nullptr && mentions_shape(*error, p->sharded_shape())) {
-        probable = c10::str(used,
+        probable = c10::str(used(),
                             "probably called around its hooks (e.g. module->forward(x) or a TORCH_MODULE holder): "
                             "the error below shows that sharded shape. ",
                             kCallThroughHooks);

@@ -245,18 +245,7 @@ TEST_P(ClipGrad, MixedDtypesMatchTheReferenceInDouble) {
 
 // An ignored parameter is full on every rank: once its gradient is
 // synchronized (the caller's job), it counts once in the norm, not once per
-// rank, and the sharded ones count once as always.
-struct WithScale : torch::nn::Module {
-  WithScale()
-      : block(register_module("block", MLPBlock(7, 13))),
-        head(register_module("head", torch::nn::Linear(13, 3))),
-        scale(register_parameter("scale", at::full({5}, 0.5))) {}
-  at::Tensor forward(const at::Tensor& x) { return head(block(x)) * scale.sum(); }
-  MLPBlock block;
-  torch::nn::Linear head;
-  at::Tensor scale;
-};
-
+// rank, and the sharded ones count once as always (WithScale: test_models.h).
 TEST_P(ClipGrad, IgnoredParametersCountOnce) {
   testing::run_distributed(GetParam(), [](testing::RankContext& ctx) {
     for (const double norm_type : {2.0, kInf}) {

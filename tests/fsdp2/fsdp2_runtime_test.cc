@@ -503,18 +503,7 @@ TEST_P(Runtime, ResetIterStateAfterAnExceptionMidForward) {
 }
 
 // ignored_params stay full and keep their local gradient; the rest trains
-// as the reference.
-struct WithScale : torch::nn::Module {
-  WithScale()
-      : block(register_module("block", MLPBlock(7, 13))),
-        head(register_module("head", torch::nn::Linear(13, 3))),
-        scale(register_parameter("scale", at::full({5}, 0.5))) {}
-  at::Tensor forward(const at::Tensor& x) { return head(block(x)) * scale.sum(); }
-  MLPBlock block;
-  torch::nn::Linear head;
-  at::Tensor scale;
-};
-
+// as the reference (WithScale: test_models.h).
 TEST_P(Runtime, IgnoredParametersAreNeitherShardedNorReduced) {
   testing::run_distributed(GetParam(), [](testing::RankContext& ctx) {
     torch::manual_seed(0);

@@ -35,6 +35,19 @@ struct MLPBlockImpl : torch::nn::Module {
 FSDP2CPP_MODULE(MLPBlock);
 
 // 7 -> 13 -> 10 -> 3: weights of 13, 10 and 3 rows.
+// A sharded block and head plus a parameter `scale` that tests leave out of
+// sharding (ignored_params): full on every rank, scaling the output.
+struct WithScale : torch::nn::Module {
+  WithScale()
+      : block(register_module("block", MLPBlock(7, 13))),
+        head(register_module("head", torch::nn::Linear(13, 3))),
+        scale(register_parameter("scale", at::full({5}, 0.5))) {}
+  at::Tensor forward(const at::Tensor& x) { return head(block(x)) * scale.sum(); }
+  MLPBlock block;
+  torch::nn::Linear head;
+  at::Tensor scale;
+};
+
 struct MLP : LossModel {
   MLP()
       : b0(register_module("b0", MLPBlock(7, 13))),
