@@ -1,6 +1,7 @@
 #include "fsdp_state.h"
 
 #include <cctype>
+#include <unordered_map>
 #include <unordered_set>
 
 #include <ATen/ATen.h>
@@ -15,10 +16,10 @@
 
 namespace fsdp::detail {
 
-FSDPState::FSDPState(const std::shared_ptr<torch::nn::Module>& module, DeviceMesh mesh, c10::Device device,
-                     std::unique_ptr<FSDPParamGroup> group, std::optional<ReshardAfterForward> reshard_after_forward,
-                     MixedPrecisionPolicy mp_policy)
-    : module_(module),
+FSDPState::FSDPState(const std::vector<std::shared_ptr<torch::nn::Module>>& modules, DeviceMesh mesh,
+                     c10::Device device, std::unique_ptr<FSDPParamGroup> group,
+                     std::optional<ReshardAfterForward> reshard_after_forward, MixedPrecisionPolicy mp_policy)
+    : modules_(modules.begin(), modules.end()),
       mesh_(std::move(mesh)),
       device_(device),
       group_(std::move(group)),
@@ -30,9 +31,19 @@ FSDPState::FSDPState(const std::shared_ptr<torch::nn::Module>& module, DeviceMes
 }
 
 std::shared_ptr<torch::nn::Module> FSDPState::module() const {
-  auto m = module_.lock();
+  auto m = modules_.front().lock();
   TORCH_CHECK(m, "fsdp2: the module of this FSDPModule was destroyed");
   return m;
+}
+
+std::vector<std::shared_ptr<torch::nn::Module>> FSDPState::modules() const {
+  std::vector<std::shared_ptr<torch::nn::Module>> result;
+  for (const auto& weak : modules_) {
+    auto m = weak.lock();
+    TORCH_CHECK(m, "fsdp2: a module of this FSDPModule was destroyed");
+    result.push_back(std::move(m));
+  }
+  return result;
 }
 
 std::shared_ptr<FSDPState> FSDPState::top() {
@@ -50,11 +61,25 @@ void FSDPState::lazy_init() {
                 "was called around its hooks: call the root through fsdp::call_module(model, ...), declare its "
                 "holder with FSDP2CPP_MODULE, or use fsdp::Sequential, so that fully_shard can run it.");
   }
+  if (modules_.size() > 1) {
+    std::string names;
+    for (const auto& m : modules()) names += (names.empty() ? "" : ", ") + m->name();
+    TORCH_CHECK(false, "fsdp2: the modules [", names,
+                "], sharded as one group by one fully_shard call, ran forward with no sharded module containing "
+                "them, which would make the group the root. A group of several modules cannot be the root (as in "
+                "FSDP2): apply fully_shard to a common ancestor of the modules (e.g. the whole model) before the "
+                "first forward, and call that ancestor.");
+  }
   is_root_ = true;
   ctx_ = std::make_shared<FSDPStateContext>(device_);
+  // A state of several modules is met once per module; it is listed once,
+  // named by its modules' FQNs.
+  std::unordered_map<const torch::nn::Module*, std::string> module_fqns;
   for (const auto& item : root_module->named_modules(/*name_prefix=*/"", /*include_self=*/true)) {
     auto state = state_of(*item.value());
     if (!state) continue;
+    module_fqns.emplace(item.value().get(), item.key());
+    if (state->modules_.size() > 1 && state->ctx_ == ctx_) continue;
     if (state.get() != this) {
       TORCH_CHECK(!state->is_root_.has_value(), "fsdp2: module '", item.key(),
                   "' was already initialized by an earlier forward; run forward through the root module first");
@@ -63,6 +88,20 @@ void FSDPState::lazy_init() {
     }
     state->fqn_ = item.key();
     ctx_->all_states.push_back(state);
+  }
+  for (const auto& weak : ctx_->all_states) {
+    auto state = weak.lock();
+    if (state->modules_.size() == 1) continue;
+    state->fqn_.clear();
+    for (const auto& m : state->modules()) {
+      auto it = module_fqns.find(m.get());
+      TORCH_CHECK(it != module_fqns.end(), "fsdp2: a module ", m->name(),
+                  " sharded in one group with others by one fully_shard call is not inside the root module ",
+                  root_module->name(),
+                  " that runs forward, but other modules of its group are. Every module of a group must be inside "
+                  "the root: group modules of one model.");
+      state->fqn_ += (state->fqn_.empty() ? "" : "+") + it->second;
+    }
   }
   if (group_ && auto_reshard_after_forward_) {
     // The root's parameters would be freed and all-gathered again at once
@@ -74,7 +113,19 @@ void FSDPState::lazy_init() {
     auto state = weak.lock();
     if (!state->group_) continue;
     const std::string prefix = state->fqn_.empty() ? "" : state->fqn_ + ".";
-    for (const auto& p : state->group_->params()) {
+    const auto& params = state->group_->params();
+    if (state->modules_.size() > 1) {
+      // Each parameter is named from the module of the group that owns it.
+      const auto group_modules = state->modules();
+      for (size_t i = 0; i < params.size(); ++i) {
+        const auto& [owner, name] = state->param_owners_.at(i);
+        const std::string& owner_fqn = module_fqns.at(group_modules.at(owner).get());
+        params[i]->set_fqn(owner_fqn.empty() ? name : owner_fqn + "." + name);
+      }
+      state->group_->lazy_init(&ctx_->comm, state->fqn_);
+      continue;
+    }
+    for (const auto& p : params) {
       if (p->fqn().rfind(prefix, 0) != 0) p->set_fqn(prefix + p->fqn());
     }
     state->group_->lazy_init(&ctx_->comm, state->fqn_);
@@ -109,6 +160,34 @@ void FSDPState::pre_forward(TensorRefs& inputs) {
   for (const auto& weak : forward_prefetch) {
     if (auto target = weak.lock(); target && target->group_)
       prefetch_unshard(target->group_.get(), TrainingState::kForward);
+  }
+}
+
+void FSDPState::group_pre_forward(const torch::nn::Module& /*module*/, TensorRefs& inputs) {
+  // Recomputation in backward (activation checkpointing) may rerun any
+  // subset of the modules: pre_forward only checks the unshard then.
+  if (training_state_ == TrainingState::kPreBackward) return pre_forward(inputs);
+  if (!modules_to_run_.empty()) return;  // a later module of this forward: the group is unsharded
+  pre_forward(inputs);
+  for (const auto& m : modules()) modules_to_run_.insert(m.get());
+}
+
+void FSDPState::group_post_forward(const torch::nn::Module& module, TensorRefs& outputs) {
+  if (training_state_ == TrainingState::kPreBackward) return post_forward(outputs);
+  modules_to_run_.erase(&module);
+  if (modules_to_run_.empty()) return post_forward(outputs);
+  // Gradients may reach this module's outputs before the last module's:
+  // unshard for backward there too (pre_backward runs once per backward).
+  if (c10::GradMode::is_enabled()) register_pre_backward_hooks(outputs);
+}
+
+void FSDPState::complete_group_forwards() {
+  for (const auto& weak : ctx_->all_states) {
+    auto s = weak.lock();
+    if (!s || s.get() == this || s->modules_to_run_.empty()) continue;
+    s->modules_to_run_.clear();
+    TensorRefs none;
+    s->post_forward(none);
   }
 }
 
@@ -151,6 +230,7 @@ void FSDPState::post_forward(TensorRefs& outputs) {
   if (c10::GradMode::is_enabled()) register_pre_backward_hooks(outputs);
   training_state_ = TrainingState::kIdle;
   if (ctx_->iter_forward_root == this) {
+    complete_group_forwards();
     // The last all-gather output is not needed through the loss and the
     // optimizer step (FSDP2 frees it here too).
     ctx_->comm.release_all_gather_state();
@@ -350,6 +430,7 @@ void FSDPState::reset_iter_state() {
     auto s = w.lock();
     if (!s) continue;
     s->training_state_ = TrainingState::kIdle;
+    s->modules_to_run_.clear();
     if (s->group_) s->group_->reset_iter_state();
   }
   ctx_->comm.release_all_gather_state();

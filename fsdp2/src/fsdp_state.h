@@ -6,6 +6,8 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include <c10/core/Device.h>
@@ -32,11 +34,20 @@ struct FSDPStateContext {
 
 class FSDPState : public std::enable_shared_from_this<FSDPState> {
  public:
-  FSDPState(const std::shared_ptr<torch::nn::Module>& module, DeviceMesh mesh, c10::Device device,
+  // `modules`: the one module of fully_shard(module), or the several modules
+  // of fully_shard(list) sharded as one group.
+  FSDPState(const std::vector<std::shared_ptr<torch::nn::Module>>& modules, DeviceMesh mesh, c10::Device device,
             std::unique_ptr<FSDPParamGroup> group, std::optional<ReshardAfterForward> reshard_after_forward,
             MixedPrecisionPolicy mp_policy);
 
+  // The first of modules().
   std::shared_ptr<torch::nn::Module> module() const;
+  std::vector<std::shared_ptr<torch::nn::Module>> modules() const;
+  size_t num_modules() const { return modules_.size(); }
+  // Several modules: for each of the group's parameters, in order, the index
+  // of the module that owns it and its FQN within that module (lazy init
+  // names the parameters from the root then).
+  void set_param_owners(std::vector<std::pair<size_t, std::string>> owners) { param_owners_ = std::move(owners); }
   const DeviceMesh& mesh() const { return mesh_; }
   c10::Device device() const { return device_; }
   FSDPParamGroup* group() const { return group_.get(); }
@@ -51,6 +62,11 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   void pre_forward(TensorRefs& inputs);
   void post_forward(TensorRefs& outputs);
   void pre_backward();
+  // The hooks of a state with several modules (FSDP2's
+  // _register_group_forward_hooks): pre_forward when the first of them is
+  // called, post_forward after the last of them.
+  void group_pre_forward(const torch::nn::Module& module, TensorRefs& inputs);
+  void group_post_forward(const torch::nn::Module& module, TensorRefs& outputs);
   // Forward error hook (inside the handler): when this state started the
   // iteration's forward and a sharded module was called around its hooks,
   // throws the runtime's explanation with the original error in it.
@@ -80,6 +96,9 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   void register_final_callback();
   void root_post_backward_final_callback();
   void check_no_call_around_hooks() const;
+  // End of the root's forward: the post-forward of every group whose modules
+  // did not all run.
+  void complete_group_forwards();
   // The message that explains a sharded module called around its hooks:
   // for the first sharded parameter autograd used at its sharded shape, else
   // (given the message of the error a forward raised) for the first one
@@ -87,7 +106,11 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   std::string call_around_hooks_message(const std::string* error) const;
   static void prefetch_unshard(FSDPParamGroup* target, TrainingState state);
 
-  std::weak_ptr<torch::nn::Module> module_;
+  std::vector<std::weak_ptr<torch::nn::Module>> modules_;
+  std::vector<std::pair<size_t, std::string>> param_owners_;
+  // The modules of the group still to run in this forward (FSDP2's
+  // _modules_to_run_forward); empty between group forwards.
+  std::unordered_set<const torch::nn::Module*> modules_to_run_;
   DeviceMesh mesh_;
   c10::Device device_;
   std::unique_ptr<FSDPParamGroup> group_;

@@ -33,9 +33,10 @@ std::vector<std::shared_ptr<FSDPState>> all_states();
 std::string fqn_in_sharded_roots(const torch::nn::Module& module) {
   for (const auto& s : all_states()) {
     if (s->parent()) continue;
-    auto root = s->module();
-    for (const auto& item : root->named_modules(/*name_prefix=*/"", /*include_self=*/false)) {
-      if (item.value().get() == &module) return item.key();
+    for (const auto& root : s->modules()) {
+      for (const auto& item : root->named_modules(/*name_prefix=*/"", /*include_self=*/false)) {
+        if (item.value().get() == &module) return item.key();
+      }
     }
   }
   return "";
@@ -49,20 +50,52 @@ c10::Device mesh_device(const DeviceMesh& mesh) {
   return c10::Device(mesh.device_type(), impl->getDevice().index());
 }
 
-// Every state in `module`'s subtree, excluding `module` itself.
-std::vector<std::shared_ptr<FSDPState>> descendant_states(torch::nn::Module& module) {
+// Every state in the subtrees of `modules`, excluding theirs, each once.
+std::vector<std::shared_ptr<FSDPState>> descendant_states(
+    const std::vector<std::shared_ptr<torch::nn::Module>>& modules) {
   std::vector<std::shared_ptr<FSDPState>> states;
-  for (const auto& child : module.modules(/*include_self=*/false)) {
-    if (auto s = state_of(*child)) states.push_back(std::move(s));
+  std::unordered_set<const FSDPState*> seen;
+  for (const auto& module : modules) {
+    for (const auto& child : module->modules(/*include_self=*/false)) {
+      auto s = state_of(*child);
+      if (s && seen.insert(s.get()).second) states.push_back(std::move(s));
+    }
   }
   return states;
+}
+
+// One parameter of the modules being sharded: named_parameters()'s item
+// interface, and the index of the module it comes from.
+struct NamedParam {
+  std::string name;
+  at::Tensor tensor;
+  size_t owner;
+  std::string relative_name;  // within modules[owner]
+  const std::string& key() const { return name; }
+  const at::Tensor& value() const { return tensor; }
+};
+
+// The parameters of `modules`, in order; with several modules, named
+// "modules[i].<name>" for messages.
+std::vector<NamedParam> named_params_of(const std::vector<std::shared_ptr<torch::nn::Module>>& modules) {
+  std::vector<NamedParam> result;
+  for (size_t i = 0; i < modules.size(); ++i) {
+    const std::string prefix = modules.size() == 1 ? "" : c10::str("modules[", i, "].");
+    for (const auto& item : modules[i]->named_parameters(/*recurse=*/true)) {
+      result.push_back(NamedParam{prefix + item.key(), item.value(), i, item.key()});
+    }
+  }
+  return result;
 }
 
 }  // namespace
 
 std::vector<std::shared_ptr<FSDPState>> all_states() {
   std::vector<std::shared_ptr<FSDPState>> states;
-  for (auto& s : module_states(kStateKey)) states.push_back(std::static_pointer_cast<FSDPState>(s));
+  std::unordered_set<const void*> seen;  // a group of several modules is attached to each
+  for (auto& s : module_states(kStateKey)) {
+    if (seen.insert(s.get()).second) states.push_back(std::static_pointer_cast<FSDPState>(s));
+  }
   return states;
 }
 
@@ -115,13 +148,26 @@ std::shared_ptr<collectives::Communicator> post_forward_group(const DeviceMesh& 
 
 }  // namespace detail
 
-FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, const FullyShardOptions& options) {
-  TORCH_CHECK(module, "fully_shard: the module is null");
-  const std::string name = detail::describe(*module);
-  if (detail::state_of(*module)) {
-    const std::string fqn = detail::fqn_in_sharded_roots(*module);
+namespace detail {
+namespace {
+
+// fully_shard of one module or of a group of several.
+FSDPModule shard_modules(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
+                         const FullyShardOptions& options) {
+  const std::shared_ptr<torch::nn::Module>& module = modules.front();
+  std::string name = detail::describe(*module);
+  if (modules.size() > 1) {
+    name = "[" + name;
+    for (size_t i = 1; i < modules.size(); ++i) name += ", " + detail::describe(*modules[i]);
+    name += "]";
+  }
+  for (const auto& m : modules) {
+    if (!detail::state_of(*m)) continue;
+    const std::string fqn = detail::fqn_in_sharded_roots(*m);
+    const std::string what = detail::describe(*m);
     TORCH_CHECK(false, "fully_shard: already applied to ",
-                fqn.empty() ? "this " + name + " module" : "module '" + fqn + "' (" + name + ")",
+                fqn.empty() ? "this " + what + " module" : "module '" + fqn + "' (" + what + ")",
+                modules.size() > 1 ? c10::str(" (modules[", &m - modules.data(), "] of the list)") : "",
                 "; apply it once per module: to each block, then once to the root");
   }
   const auto& mp = options.mp_policy;
@@ -130,15 +176,16 @@ FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, const F
   TORCH_CHECK(!mp.reduce_dtype || c10::isFloatingType(*mp.reduce_dtype), "fully_shard: module '", name,
               "': MixedPrecisionPolicy::reduce_dtype must be a floating-point type, got ", *mp.reduce_dtype);
 
-  auto children = detail::descendant_states(*module);
+  auto children = detail::descendant_states(modules);
+  const std::vector<detail::NamedParam> named_params = detail::named_params_of(modules);
   std::optional<DeviceMesh> mesh = options.mesh;
   if (!mesh && !children.empty()) mesh = children.front()->mesh();
   if (!mesh) {
     TORCH_CHECK(options.world, "fully_shard: module '", name,
                 "': no mesh. Set FullyShardOptions::mesh (fsdp::init_device_mesh) or FullyShardOptions::world");
     c10::DeviceType type = c10::kCPU;
-    for (const auto& p : module->parameters()) {
-      if (p.defined()) {
+    for (const auto& item : named_params) {
+      if (const at::Tensor& p = item.value(); p.defined()) {
         type = p.device().type();
         break;
       }
@@ -177,7 +224,7 @@ FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, const F
   }
   // ... and a parameter managed by an enclosing module means the order was
   // wrong (root before children).
-  for (const auto& item : module->named_parameters(/*recurse=*/true)) {
+  for (const auto& item : named_params) {
     const at::Tensor& p = item.value();
     TORCH_CHECK(p.defined(), "fully_shard: parameter '", item.key(), "' of module '", name,
                 "' is undefined; initialize every parameter before sharding");
@@ -187,7 +234,9 @@ FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, const F
       for (const auto& fp : any->group()->params()) {
         if (fp->param().unsafeGetTensorImpl() != p.unsafeGetTensorImpl()) continue;
         bool enclosing = false;
-        for (const auto& m : any->module()->modules(/*include_self=*/false)) enclosing |= m.get() == module.get();
+        for (const auto& top : any->modules()) {
+          for (const auto& m : top->modules(/*include_self=*/false)) enclosing |= m.get() == modules[item.owner].get();
+        }
         TORCH_CHECK(!enclosing, "fully_shard: parameter '", item.key(), "' of module '", name,
                     "' is already sharded by fully_shard on an enclosing module. Apply fully_shard to submodules "
                     "first, then to their parents and the root.");
@@ -198,15 +247,17 @@ FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, const F
                     "' is shared (tied) with module '", any->module()->name(),
                     "', which fully_shard already sharded as its own group. A tied parameter must belong to one "
                     "group: apply fully_shard to a common ancestor of both modules instead of to each (the root "
-                    "takes every parameter not in a sharded submodule), or untie the parameters.");
+                    "takes every parameter not in a sharded submodule), shard both modules as one group with one "
+                    "call, fully_shard({a, b}), or untie the parameters.");
       }
     }
   }
 
   std::vector<at::Tensor> params;
   std::vector<std::string> names;
+  std::vector<std::pair<size_t, std::string>> owners;
   std::unordered_set<const c10::TensorImpl*> seen;
-  for (const auto& item : module->named_parameters(/*recurse=*/true)) {
+  for (const auto& item : named_params) {
     const at::Tensor& p = item.value();
     const auto* impl = p.unsafeGetTensorImpl();
     if (managed.count(impl) || ignored.count(impl) || !seen.insert(impl).second) continue;  // tied: once
@@ -236,6 +287,7 @@ FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, const F
     }
     params.push_back(p);
     names.push_back(item.key());
+    owners.emplace_back(item.owner, item.relative_name);
   }
 
   std::shared_ptr<collectives::Communicator> post_forward_comm =
@@ -245,23 +297,70 @@ FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, const F
     group = std::make_unique<detail::FSDPParamGroup>(std::move(params), std::move(names), *mesh, device, mp,
                                                      std::move(post_forward_comm), options.offload_policy);
   }
-  auto state = std::make_shared<FSDPState>(module, *mesh, device, std::move(group), options.reshard_after_forward, mp);
+  auto state = std::make_shared<FSDPState>(modules, *mesh, device, std::move(group), options.reshard_after_forward, mp);
+  if (modules.size() > 1) state->set_param_owners(std::move(owners));
   for (const auto& child : children) {
     if (!child->parent()) child->set_parent(state);
   }
   std::weak_ptr<FSDPState> weak = state;
-  // The hooks hold the state weakly; the side table entry owns it.
-  register_forward_pre_hook(*module, [weak](torch::nn::Module&, TensorRefs& inputs) {
-    if (auto s = weak.lock()) s->pre_forward(inputs);
-  });
-  register_forward_hook(*module, [weak](torch::nn::Module&, TensorRefs&, TensorRefs& outputs) {
-    if (auto s = weak.lock()) s->post_forward(outputs);
-  });
-  register_forward_error_hook(*module, [weak](torch::nn::Module&) {
-    if (auto s = weak.lock()) s->explain_forward_error();
-  });
-  detail::set_module_state(*module, detail::kStateKey, state);
+  // The hooks hold the state weakly; the side table entries own it.
+  for (const auto& m : modules) {
+    if (modules.size() == 1) {
+      register_forward_pre_hook(*m, [weak](torch::nn::Module&, TensorRefs& inputs) {
+        if (auto s = weak.lock()) s->pre_forward(inputs);
+      });
+      register_forward_hook(*m, [weak](torch::nn::Module&, TensorRefs&, TensorRefs& outputs) {
+        if (auto s = weak.lock()) s->post_forward(outputs);
+      });
+    } else {
+      register_forward_pre_hook(*m, [weak](torch::nn::Module& called, TensorRefs& inputs) {
+        if (auto s = weak.lock()) s->group_pre_forward(called, inputs);
+      });
+      register_forward_hook(*m, [weak](torch::nn::Module& called, TensorRefs&, TensorRefs& outputs) {
+        if (auto s = weak.lock()) s->group_post_forward(called, outputs);
+      });
+    }
+    register_forward_error_hook(*m, [weak](torch::nn::Module&) {
+      if (auto s = weak.lock()) s->explain_forward_error();
+    });
+    detail::set_module_state(*m, detail::kStateKey, state);
+  }
   return FSDPModule(state);
+}
+
+}  // namespace
+}  // namespace detail
+
+FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, const FullyShardOptions& options) {
+  TORCH_CHECK(module, "fully_shard: the module is null");
+  return detail::shard_modules({module}, options);
+}
+
+FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
+                       const FullyShardOptions& options) {
+  TORCH_CHECK(!modules.empty(),
+              "fully_shard: the list of modules is empty; pass the modules to shard as one group (at least one)");
+  std::unordered_set<const torch::nn::Module*> listed;
+  for (size_t i = 0; i < modules.size(); ++i) {
+    TORCH_CHECK(modules[i], "fully_shard: modules[", i,
+                "] of the list is null; pass the modules to shard as one group");
+    TORCH_CHECK(listed.insert(modules[i].get()).second, "fully_shard: modules[", i, "] (",
+                detail::describe(*modules[i]), ") is listed twice; list each module of the group once");
+  }
+  // A module's subtree is already in its group: listing a descendant too
+  // would shard those parameters twice.
+  for (size_t i = 0; i < modules.size(); ++i) {
+    for (const auto& sub : modules[i]->modules(/*include_self=*/false)) {
+      if (!listed.count(sub.get())) continue;
+      size_t j = 0;
+      while (modules[j].get() != sub.get()) ++j;
+      TORCH_CHECK(false, "fully_shard: modules[", j, "] (", detail::describe(*modules[j]), ") is inside modules[", i,
+                  "] (", detail::describe(*modules[i]),
+                  "), whose group takes its parameters already; list only modules that do not contain one another "
+                  "(shard the inner one first with its own fully_shard call to give it a group of its own)");
+    }
+  }
+  return detail::shard_modules(modules, options);
 }
 
 std::optional<FSDPModule> fsdp_module_of(const torch::nn::Module& module) {
@@ -278,6 +377,7 @@ FSDPModule::FSDPModule(std::shared_ptr<detail::FSDPState> state) : state_(std::m
 
 torch::nn::Module& FSDPModule::module() const { return *state_->module(); }
 std::shared_ptr<torch::nn::Module> FSDPModule::module_ptr() const { return state_->module(); }
+std::vector<std::shared_ptr<torch::nn::Module>> FSDPModule::modules() const { return state_->modules(); }
 const DeviceMesh& FSDPModule::mesh() const { return state_->mesh(); }
 
 namespace {
@@ -290,8 +390,12 @@ void for_each_state(const std::shared_ptr<FSDPState>& root, bool recurse, F&& f)
     f(*root);
     return;
   }
-  for (const auto& m : root->module()->modules(/*include_self=*/true)) {
-    if (auto s = detail::state_of(*m)) f(*s);
+  std::unordered_set<const FSDPState*> seen;  // a group of several modules is met once per module
+  for (const auto& top : root->modules()) {
+    for (const auto& m : top->modules(/*include_self=*/true)) {
+      auto s = detail::state_of(*m);
+      if (s && seen.insert(s.get()).second) f(*s);
+    }
   }
 }
 

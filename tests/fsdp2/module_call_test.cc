@@ -17,6 +17,69 @@ struct PairImpl : torch::nn::Module {
 };
 FSDP2CPP_MODULE(Pair);
 
+// A module used through methods other than forward.
+struct CodecImpl : torch::nn::Module {
+  at::Tensor forward(const at::Tensor& x) {
+    ++forwards;
+    return x;
+  }
+  std::pair<at::Tensor, at::Tensor> encode(const at::Tensor& x, double scale) { return {x * scale, x + 1}; }
+  at::Tensor decode(const at::Tensor& x) const {
+    TORCH_CHECK(x.dim() == 1, "decode needs a vector");
+    return x - 1;
+  }
+  int forwards = 0;
+};
+FSDP2CPP_MODULE(Codec);
+
+TEST(ModuleCall, MethodsRunTheForwardHooksAroundThem) {
+  Codec codec;
+  const at::Tensor x = at::ones({2});
+  // Without hooks: a direct call.
+  auto [scaled, shifted] = call_module_method(codec, &CodecImpl::encode, x, 3.0);
+  EXPECT_TRUE(scaled.equal(at::full({2}, 3.0)));
+  EXPECT_TRUE(shifted.equal(at::full({2}, 2.0)));
+
+  std::vector<std::string> calls;
+  register_forward_pre_hook(*codec, [&](torch::nn::Module& m, TensorRefs& inputs) {
+    EXPECT_EQ(&m, codec.ptr().get());
+    calls.push_back("pre " + std::to_string(inputs.size()));
+    *inputs[0] = *inputs[0] * 10;  // replaces x
+  });
+  register_forward_hook(*codec, [&](torch::nn::Module&, TensorRefs& inputs, TensorRefs& outputs) {
+    calls.push_back("post " + std::to_string(inputs.size()) + " " + std::to_string(outputs.size()));
+    *outputs[0] = *outputs[0] + 0.5;  // replaces the first result
+  });
+  std::vector<std::string> errors;
+  register_forward_error_hook(*codec, [&](torch::nn::Module&) { errors.push_back("error"); });
+
+  // On the holder and on the Impl alike; the tensor arguments and results
+  // are what the hooks see, the plain ones are passed through.
+  std::tie(scaled, shifted) = call_module_method(codec, &CodecImpl::encode, x, 3.0);
+  EXPECT_EQ(calls, (std::vector<std::string>{"pre 1", "post 1 2"}));
+  EXPECT_TRUE(scaled.equal(at::full({2}, 30.5)));
+  EXPECT_TRUE(shifted.equal(at::full({2}, 11.0)));
+  EXPECT_TRUE(x.equal(at::ones({2}))) << "the caller's tensor is not modified";
+  calls.clear();
+  at::Tensor decoded = call_module_method(*codec, &CodecImpl::decode, x);  // a const method
+  EXPECT_EQ(calls, (std::vector<std::string>{"pre 1", "post 1 1"}));
+  EXPECT_TRUE(decoded.equal(at::full({2}, 9.5)));
+  EXPECT_EQ(codec->forwards, 0) << "forward is not called";
+  EXPECT_TRUE(errors.empty());
+
+  // A method that throws runs the error hooks, not the post-hooks.
+  calls.clear();
+  EXPECT_THROW(call_module_method(codec, &CodecImpl::decode, at::ones({2, 2})), c10::Error);
+  EXPECT_EQ(calls, (std::vector<std::string>{"pre 1"}));
+  EXPECT_EQ(errors, (std::vector<std::string>{"error"}));
+
+  // forward through call_module runs the same hooks.
+  calls.clear();
+  EXPECT_TRUE(codec(x).equal(at::full({2}, 10.5)));
+  EXPECT_EQ(calls, (std::vector<std::string>{"pre 1", "post 1 1"}));
+  EXPECT_EQ(codec->forwards, 1);
+}
+
 TEST(ModuleCall, ModulesWithoutHooksAreCalledDirectly) {
   auto linear = torch::nn::Linear(3, 2);
   at::Tensor x = at::randn({4, 3});

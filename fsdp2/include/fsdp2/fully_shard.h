@@ -45,6 +45,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -233,9 +234,13 @@ class UnshardHandle {
 // alive (the group being reduced and the one before it).
 class FSDPModule {
  public:
-  // The sharded module.
+  // The sharded module; for a group sharded by one fully_shard call over
+  // several modules, the first of them (modules() lists them all).
   torch::nn::Module& module() const;
   std::shared_ptr<torch::nn::Module> module_ptr() const;
+  // The modules sharded together as this group, in the order given to
+  // fully_shard: one, or several for fully_shard(std::vector<...>).
+  std::vector<std::shared_ptr<torch::nn::Module>> modules() const;
   // The mesh the module is sharded over.
   const DeviceMesh& mesh() const;
 
@@ -343,6 +348,54 @@ FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, const F
 template <typename Impl>
 FSDPModule fully_shard(const torch::nn::ModuleHolder<Impl>& module, const FullyShardOptions& options = {}) {
   return fully_shard(std::static_pointer_cast<torch::nn::Module>(module.ptr()), options);
+}
+
+// Shards the parameters of several modules as ONE group (FSDP2's
+// fully_shard(list of modules)): one all-gather before the first of them runs
+// in forward, one reshard after the last of them ran, one reduce-scatter in
+// backward. For modules that are not each other's ancestors but are best
+// communicated together, e.g. two small consecutive blocks, or an embedding
+// and the output projection. Each module's parameters not already managed by
+// a sharded submodule are taken (a parameter tied between them once), and
+// fsdp_module_of(m) returns this same FSDPModule for each of them
+// (tests/fsdp2/fsdp2_multi_module_test.cc):
+//
+//   const fsdp::FSDPModule pair = fsdp::fully_shard({model->b0.ptr(), model->b1.ptr()}, opts);  // one group
+//   fsdp::fully_shard(model->b2, opts);
+//   fsdp::FSDPModule root = fsdp::fully_shard(model, opts);
+//
+// Forward (as FSDP2): the group's pre-forward (all-gather, input casts) runs
+// when the first of its modules is called, whichever that is; its
+// post-forward (reshard, per reshard_after_forward) once every module of the
+// group has run since. Until then the parameters stay unsharded, and a module
+// of the group called again meanwhile is not all-gathered again. A forward
+// that skips a module of the group leaves the group unsharded until the end
+// of that forward's root, which completes the group's post-forward. Backward:
+// the group is all-gathered again when gradients reach the outputs of any of
+// its modules, and reduced once when the gradients reach the first module's
+// inputs (or at the end of backward), so the modules should run as a chain
+// (each one's output feeding the next) or the inputs need no gradient.
+//
+// Logs and profiler labels name the group by its modules' FQNs joined by "+"
+// ("blocks.0+blocks.1"); its parameters keep their own FQNs.
+//
+// REQUIRES: what fully_shard(module) requires, of every module and the
+// group's parameters (one device type and dtype); a non-empty list without
+// null or repeated modules; no module of the list contains another; an
+// ancestor of the modules is sharded later (the root): a group of several
+// modules cannot be the root of a forward, as in FSDP2 (its first forward
+// throws); apply fully_shard to a common ancestor. Throws c10::Error naming
+// the module otherwise.
+FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
+                       const FullyShardOptions& options = {});
+
+// The same for holders, e.g. a slice of a std::vector<Block>.
+template <typename Holder, typename = std::enable_if_t<torch::detail::is_module_holder<Holder>::value>>
+FSDPModule fully_shard(const std::vector<Holder>& modules, const FullyShardOptions& options = {}) {
+  std::vector<std::shared_ptr<torch::nn::Module>> impls;
+  impls.reserve(modules.size());
+  for (const auto& m : modules) impls.push_back(m.is_empty() ? nullptr : m.ptr());
+  return fully_shard(impls, options);
 }
 
 // The FSDPModule of `module`, or std::nullopt when fully_shard was not

@@ -31,6 +31,10 @@
 //   };
 //   FSDP2CPP_MODULE(Nested);
 //
+// A module used through a method other than forward (an encoder's `encode`)
+// is called with fsdp::call_module_method(encoder, &EncoderImpl::encode, x),
+// which runs the same hooks around that method.
+//
 // Forward arguments and results may be tensors, std::vector /
 // std::tuple / std::pair / std::optional of them (nested), or plain values;
 // hooks see (and may replace) every tensor among them.
@@ -152,6 +156,29 @@ at::Tensor call_sequential(torch::nn::SequentialImpl& sequential, at::Tensor inp
 
 }  // namespace detail
 
+namespace detail {
+
+// Runs `fn(args...)` with `module`'s forward hooks around it: what
+// call_module and call_module_method share. `fn` takes the arguments as
+// forwarded here when `module` has no hooks, else as lvalues of the copies
+// the hooks saw (and may have replaced).
+template <typename Fn, typename... Args>
+auto call_with_hooks(torch::nn::Module& module, Fn&& fn, Args&&... args) {
+  auto hooks = hooks_of(module);
+  if (!hooks) return fn(std::forward<Args>(args)...);
+  std::tuple<std::decay_t<Args>...> values(std::forward<Args>(args)...);
+  TensorRefs inputs;
+  collect_tensors(values, inputs);
+  run_pre_hooks(*hooks, module, inputs);
+  auto output = forward_with_error_hooks(*hooks, module, [&] { return std::apply(fn, values); });
+  TensorRefs outputs;
+  collect_tensors(output, outputs);
+  run_post_hooks(*hooks, module, inputs, outputs);
+  return output;
+}
+
+}  // namespace detail
+
 // Runs `module.forward(args...)` with `module`'s forward hooks around it.
 // Works for any module type (an Impl or a holder). Arguments are taken by
 // value when the module has hooks, so that hooks can replace tensors.
@@ -164,18 +191,56 @@ auto call_module(ModuleT& module, Args&&... args) {
     return detail::call_sequential(module, at::Tensor(std::forward<Args>(args)...));
   } else {
     static_assert(std::is_base_of_v<torch::nn::Module, ModuleT>, "call_module needs a torch::nn::Module");
-    auto hooks = detail::hooks_of(module);
-    if (!hooks) return module.forward(std::forward<Args>(args)...);
-    std::tuple<std::decay_t<Args>...> values(std::forward<Args>(args)...);
-    TensorRefs inputs;
-    detail::collect_tensors(values, inputs);
-    detail::run_pre_hooks(*hooks, module, inputs);
-    auto output = detail::forward_with_error_hooks(
-        *hooks, module, [&] { return std::apply([&module](auto&... a) { return module.forward(a...); }, values); });
-    TensorRefs outputs;
-    detail::collect_tensors(output, outputs);
-    detail::run_post_hooks(*hooks, module, inputs, outputs);
-    return output;
+    return detail::call_with_hooks(
+        module, [&module](auto&&... a) -> decltype(auto) { return module.forward(std::forward<decltype(a)>(a)...); },
+        std::forward<Args>(args)...);
+  }
+}
+
+// Runs `(module.*method)(args...)` with `module`'s forward hooks around it,
+// exactly as call_module runs forward: the pre-hooks see (and may replace)
+// the tensors among the arguments, the error hooks run when the method
+// throws, the post-hooks see its results. The C++ counterpart of FSDP2's
+// register_fsdp_forward_method(module, "encode") (C++ cannot patch a method
+// in place, so the call site names it): for a sharded module used through a
+// method other than forward, e.g. an encoder-decoder's `encode` or a
+// generate-style method, fully_shard then unshards before the method and
+// reshards and hooks backward after it, as for forward
+// (tests/fsdp2/fsdp2_multi_module_test.cc):
+//
+//   struct EncoderImpl : torch::nn::Module {
+//     ...
+//     at::Tensor encode(const at::Tensor& x, double temperature) {  // what the model calls, not forward
+//       ...
+//     }
+//     ...
+//   };
+//   FSDP2CPP_MODULE(Encoder);
+//   ...
+//   at::Tensor h = fsdp::call_module_method(enc, &EncoderImpl::encode, x, 0.5);  // through the hooks
+//
+// with `enc` sharded by fsdp::fully_shard(model->enc, opts) and the model
+// sharded after it. `enc->encode(x, 0.5)` would run on the shards:
+// fully_shard's end-of-forward check throws when that happens inside a
+// sharded forward.
+//
+// Works on an Impl or a holder (holders are called through their Impl);
+// `method` is a pointer to a member function of the Impl or of one of its
+// bases, taking `args`. Arguments are taken by value when the module has
+// hooks, as for call_module. Unlike FSDP2 the call site chooses: the same
+// method called directly runs without hooks.
+template <typename ModuleT, typename Method, typename... Args>
+auto call_module_method(ModuleT& module, Method method, Args&&... args) {
+  static_assert(std::is_member_function_pointer_v<Method>,
+                "fsdp::call_module_method needs a pointer to a member function, e.g. &EncoderImpl::encode");
+  if constexpr (torch::detail::is_module_holder<ModuleT>::value) {
+    return call_module_method(*module.ptr(), method, std::forward<Args>(args)...);
+  } else {
+    static_assert(std::is_base_of_v<torch::nn::Module, ModuleT>, "call_module_method needs a torch::nn::Module");
+    return detail::call_with_hooks(
+        module,
+        [&module, method](auto&&... a) -> decltype(auto) { return (module.*method)(std::forward<decltype(a)>(a)...); },
+        std::forward<Args>(args)...);
   }
 }
 
