@@ -283,7 +283,8 @@ TEST(MultiModuleErrors, BadListsAndAGroupAsRootGiveClearErrors) {
     {
       SCOPED_TRACE("a group with no sharded ancestor runs forward");
       auto model = seeded_stack(false);
-      fully_shard({model->b0.ptr(), model->b1.ptr()}, o);
+      const FSDPModule pair = fully_shard(std::vector<Block>{model->b0, model->b1}, o);  // the holders' overload
+      EXPECT_EQ(pair.modules().size(), 2u);
       const Batch batch = batch_for(0);
       EXPECT_THROW_WITH(model->forward(batch.x, batch.y), "sharded as one group", "cannot be the root",
                         "apply fully_shard to a common ancestor");
@@ -298,6 +299,25 @@ TEST(MultiModuleErrors, BadListsAndAGroupAsRootGiveClearErrors) {
       EXPECT_THROW_WITH(call_module(*model, at::randn({3, kDim})), "parameter 'b0.weight'", "module 'b0+b1' was",
                         "called around its hooks");
     }
+  });
+}
+
+// The recursive setters of an ancestor reach the group (once), and the
+// group's own setters apply to the group.
+TEST(MultiModuleSetters, ReshardAfterForwardFromTheRootAndFromTheGroup) {
+  testing::run_distributed(2, [](testing::RankContext& ctx) {
+    auto model = seeded_stack(false);
+    FSDPModule pair = fully_shard({model->b0.ptr(), model->b1.ptr()}, mesh_options(ctx));
+    FSDPModule root = fully_shard(model, mesh_options(ctx));
+    const Batch batch = batch_for(0).slice(ctx.rank(), ctx.world_size());
+    root.set_reshard_after_forward(false);
+    at::Tensor loss = call_module(*model, batch.x, batch.y);
+    EXPECT_GT(pair.unsharded_bytes(), 0) << "root.set_reshard_after_forward(false) keeps the pair unsharded";
+    loss.backward();
+    pair.set_reshard_after_forward(true, /*recurse=*/false);
+    loss = call_module(*model, batch.x, batch.y);
+    EXPECT_EQ(pair.unsharded_bytes(), 0) << "the pair's own setting";
+    loss.backward();
   });
 }
 
