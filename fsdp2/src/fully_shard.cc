@@ -113,6 +113,25 @@ std::shared_ptr<collectives::Communicator> post_forward_group(const DeviceMesh& 
   return mesh.world()->shared_group(ranks, mesh.device_type());
 }
 
+// The normalized dim FullyShardOptions::shard_placement_fn picks for `param`.
+int64_t shard_dim_of(const FullyShardOptions& options, const at::Tensor& param, const std::string& fqn,
+                     const std::string& name) {
+  if (!options.shard_placement_fn) return 0;
+  const std::optional<Placement> placement = options.shard_placement_fn(param);
+  if (!placement) return 0;
+  TORCH_CHECK(placement->is_shard(), "fully_shard: module '", name, "': shard_placement_fn returned ",
+              placement->to_string(), " for parameter '", fqn,
+              "'; it must return a Shard placement (fsdp::Placement::shard(dim)), or std::nullopt for Shard(0)");
+  // A 0-dim parameter is sharded as one row: dim 0 only. (Placement::shard
+  // refuses negative dims: a negative dim is normalized by whoever builds it.)
+  const int64_t ndim = std::max<int64_t>(param.dim(), 1);
+  const int64_t dim = placement->dim();
+  TORCH_CHECK(dim < ndim, "fully_shard: module '", name, "': shard_placement_fn returned ", placement->to_string(),
+              " for parameter '", fqn, "' of shape ", param.sizes(), ", which has no dim ", dim, "; pick a dim in [0, ",
+              ndim - 1, "] (e.g. Placement::shard(param.dim() - 1) for the last)");
+  return dim;
+}
+
 }  // namespace detail
 
 FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, const FullyShardOptions& options) {
@@ -205,6 +224,7 @@ FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, const F
 
   std::vector<at::Tensor> params;
   std::vector<std::string> names;
+  std::vector<int64_t> shard_dims;
   std::unordered_set<const c10::TensorImpl*> seen;
   for (const auto& item : module->named_parameters(/*recurse=*/true)) {
     const at::Tensor& p = item.value();
@@ -236,6 +256,7 @@ FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, const F
     }
     params.push_back(p);
     names.push_back(item.key());
+    shard_dims.push_back(detail::shard_dim_of(options, p, item.key(), name));
   }
 
   std::shared_ptr<collectives::Communicator> post_forward_comm =
@@ -243,7 +264,7 @@ FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, const F
   std::unique_ptr<detail::FSDPParamGroup> group;
   if (!params.empty()) {
     group = std::make_unique<detail::FSDPParamGroup>(std::move(params), std::move(names), *mesh, device, mp,
-                                                     std::move(post_forward_comm), options.offload_policy);
+                                                     std::move(post_forward_comm), options.offload_policy, shard_dims);
   }
   auto state = std::make_shared<FSDPState>(module, *mesh, device, std::move(group), options.reshard_after_forward, mp);
   for (const auto& child : children) {
