@@ -113,7 +113,7 @@ std::shared_ptr<collectives::Communicator> post_forward_group(const DeviceMesh& 
   return mesh.world()->shared_group(ranks, mesh.device_type());
 }
 
-// The normalized dim FullyShardOptions::shard_placement_fn picks for `param`.
+// The dim FullyShardOptions::shard_placement_fn picks for `param`.
 int64_t shard_dim_of(const FullyShardOptions& options, const at::Tensor& param, const std::string& fqn,
                      const std::string& name) {
   if (!options.shard_placement_fn) return 0;
@@ -122,8 +122,8 @@ int64_t shard_dim_of(const FullyShardOptions& options, const at::Tensor& param, 
   TORCH_CHECK(placement->is_shard(), "fully_shard: module '", name, "': shard_placement_fn returned ",
               placement->to_string(), " for parameter '", fqn,
               "'; it must return a Shard placement (fsdp::Placement::shard(dim)), or std::nullopt for Shard(0)");
-  // A 0-dim parameter is sharded as one row: dim 0 only. (Placement::shard
-  // refuses negative dims: a negative dim is normalized by whoever builds it.)
+  // Placement::shard refuses negative dims. A 0-dim parameter is sharded as
+  // one row: dim 0 only.
   const int64_t ndim = std::max<int64_t>(param.dim(), 1);
   const int64_t dim = placement->dim();
   TORCH_CHECK(dim < ndim, "fully_shard: module '", name, "': shard_placement_fn returned ", placement->to_string(),

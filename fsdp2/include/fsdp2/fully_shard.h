@@ -187,11 +187,12 @@ struct FullyShardOptions {
   // the full parameter; return Placement::shard(d) to give rank r
   // torch.chunk(param, shard size, d)[r] (uneven chunks and empty ones
   // allowed), or std::nullopt for Shard(0). Placement::shard takes d >= 0
-  // (param.dim() - 1 for the last dim). Unset: every parameter on dim 0. Sharded state dicts then hold
-  // Shard(d) DTensors ((Replicate, Shard(d)) under HSDP). Sharding on
-  // d != 0 costs one extra copy of the parameter per all-gather
-  // (concatenating the chunks) and of its gradient per reduce-scatter;
-  // use it when an optimizer or a checkpoint layout needs the split along d.
+  // (param.dim() - 1 for the last dim). Unset: every parameter on dim 0.
+  // Sharded state dicts then hold Shard(d) DTensors ((Replicate, Shard(d))
+  // under HSDP). At 2+ shard ranks, d != 0 costs one extra copy of the
+  // parameter per all-gather (concatenating the chunks) and of its gradient
+  // per reduce-scatter; use it when an optimizer or a checkpoint layout
+  // needs the split along d.
   //
   //   opts.shard_placement_fn = [](const at::Tensor& p) -> std::optional<fsdp::Placement> {
   //     if (p.dim() == 2) return fsdp::Placement::shard(1);  // weights by column
