@@ -169,6 +169,12 @@ void expect_training_matches(testing::RankContext& ctx, const DeviceMesh& mesh,
     optim.step();
     expect_shards(*s.model, *reference, pos, when);
   }
+  if (pos.parts == 1) {
+    // One shard rank: the chunk on any dim is the whole parameter, so the
+    // world size 1 fast path applies (no collective).
+    EXPECT_EQ(s.root->runtime_stats().all_gathers, 0);
+    EXPECT_EQ(s.root->runtime_stats().reduce_scatters, 0);
+  }
   // Explicit unshards: the full parameters, in memory sized as them.
   s.root->unshard();
   EXPECT_EQ(s.root->unsharded_bytes(), unsharded_bytes_of(*reference->head, pos.parts));
