@@ -8,6 +8,8 @@
 #include <c10/util/strides.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include "device_mesh/placement.h"
+
 namespace fsdp::detail {
 namespace {
 
@@ -39,17 +41,21 @@ at::Tensor alias_storage(const at::Tensor& base, int64_t offset, c10::IntArrayRe
 }  // namespace
 
 FSDPParam::FSDPParam(at::Tensor param, std::string fqn, int64_t shard_rank, int64_t shard_world_size,
-                     c10::ScalarType param_dtype, const OffloadPolicy& offload, std::optional<c10::Device> device)
+                     c10::ScalarType param_dtype, const OffloadPolicy& offload, std::optional<c10::Device> device,
+                     int64_t shard_dim)
     : param_(std::move(param)),
       fqn_(std::move(fqn)),
       rank_(shard_rank),
       world_size_(shard_world_size),
+      shard_dim_(shard_dim),
       offload_to_cpu_(offload.offload_to_cpu),
       pin_memory_(offload.offload_to_cpu && offload.pin_memory) {
+  TORCH_INTERNAL_ASSERT(shard_dim_ >= 0 && shard_dim_ < std::max<int64_t>(param_.dim(), 1));
+  chunk_cat_ = shard_dim_ != 0 && world_size_ > 1;
   unsharded_shape_ = param_.sizes().vec();
   unsharded_numel_ = param_.numel();
   // A 0-dim parameter is sharded as one row.
-  const int64_t rows = param_.dim() == 0 ? 1 : param_.size(0);
+  const int64_t rows = param_.dim() == 0 ? 1 : param_.size(shard_dim_);
   const int64_t row_numel = rows == 0 ? 0 : unsharded_numel_ / rows;
   const int64_t chunk_rows = (rows + world_size_ - 1) / world_size_;
   const int64_t offset = std::min(rank_ * chunk_rows, rows);
@@ -57,19 +63,20 @@ FSDPParam::FSDPParam(at::Tensor param, std::string fqn, int64_t shard_rank, int6
   padded_shard_numel_ = chunk_rows * row_numel;
 
   sharded_shape_ = param_.dim() == 0 ? std::vector<int64_t>{local_rows} : unsharded_shape_;
-  if (param_.dim() > 0) sharded_shape_[0] = local_rows;
+  if (param_.dim() > 0) sharded_shape_[shard_dim_] = local_rows;
 
   const auto options = param_.options().requires_grad(false);
   // See [Note: CPU offload].
   const auto shard_options = offload_to_cpu_ ? options.device(c10::kCPU).pinned_memory(pin_memory_) : options;
   const auto unsharded_options = offload_to_cpu_ && device ? options.device(*device) : options;
   c10::NoGradGuard no_grad;
-  at::Tensor full = param_.detach().reshape({rows, row_numel});
+  const at::Tensor full = param_.dim() == 0 ? param_.detach().reshape({1}) : param_.detach();
   padded_shard_ = at::zeros({padded_shard_numel_}, shard_options);
-  padded_shard_.narrow(0, 0, local_rows * row_numel).copy_(full.narrow(0, offset, local_rows).reshape({-1}));
   sharded_view_ = padded_shard_.narrow(0, 0, local_rows * row_numel).view(sharded_shape_);
+  sharded_view_.copy_(full.narrow(shard_dim_, offset, local_rows));
 
-  unsharded_buffer_ = at::empty({world_size_ * padded_shard_numel_}, unsharded_options.dtype(param_dtype));
+  const int64_t buffer_numel = chunk_cat_ ? unsharded_numel_ : world_size_ * padded_shard_numel_;
+  unsharded_buffer_ = at::empty({buffer_numel}, unsharded_options.dtype(param_dtype));
   unsharded_view_ = unsharded_buffer_.narrow(0, 0, unsharded_numel_).view(unsharded_shape_);
   free_storage(unsharded_buffer_);
 
@@ -77,8 +84,48 @@ FSDPParam::FSDPParam(at::Tensor param, std::string fqn, int64_t shard_rank, int6
 }
 
 at::Tensor FSDPParam::alloc_all_gather_output_rows() {
+  TORCH_INTERNAL_ASSERT(!chunk_cat_);
   alloc_storage(unsharded_buffer_, static_cast<size_t>(unsharded_buffer_.numel()) * unsharded_buffer_.element_size());
   return unsharded_buffer_.view({world_size_, padded_shard_numel_});
+}
+
+void FSDPParam::copy_out_chunks(const at::Tensor& rows) {
+  TORCH_INTERNAL_ASSERT(chunk_cat_ && rows.dim() == 2 && rows.size(0) == world_size_ &&
+                        rows.size(1) == padded_shard_numel_);
+  alloc_storage(unsharded_buffer_, static_cast<size_t>(unsharded_buffer_.numel()) * unsharded_buffer_.element_size());
+  const int64_t size = unsharded_shape_[shard_dim_];
+  std::vector<int64_t> shape = unsharded_shape_;
+  std::vector<at::Tensor> chunks;
+  chunks.reserve(world_size_);
+  for (int64_t r = 0; r < world_size_; ++r) {
+    shape[shard_dim_] = chunk_extent(size, world_size_, r).length;
+    chunks.push_back(rows.select(0, r).narrow(0, 0, c10::multiply_integers(shape)).view(shape));
+  }
+  c10::NoGradGuard no_grad;
+  at::cat_out(unsharded_view_, chunks, shard_dim_);
+}
+
+at::Tensor FSDPParam::padded_chunks(const at::Tensor& full, int64_t first, int64_t count) const {
+  TORCH_INTERNAL_ASSERT(chunk_cat_ && full.sizes() == c10::IntArrayRef(unsharded_shape_));
+  c10::NoGradGuard no_grad;
+  at::Tensor rows = at::zeros({count, padded_shard_numel_}, full.options().requires_grad(false));
+  const int64_t size = unsharded_shape_[shard_dim_];
+  std::vector<int64_t> shape = unsharded_shape_;
+  for (int64_t i = 0; i < count; ++i) {
+    const ChunkExtent ext = chunk_extent(size, world_size_, first + i);
+    shape[shard_dim_] = ext.length;
+    rows.select(0, i)
+        .narrow(0, 0, c10::multiply_integers(shape))
+        .view(shape)
+        .copy_(full.narrow(shard_dim_, ext.offset, ext.length));
+  }
+  return rows;
+}
+
+at::Tensor FSDPParam::post_forward_rows(int64_t first, int64_t count) {
+  if (!chunk_cat_) return alloc_all_gather_output_rows().narrow(0, first, count);
+  TORCH_INTERNAL_ASSERT(unsharded_storage_bytes() > 0 || unsharded_numel_ == 0);
+  return padded_chunks(unsharded_view_, first, count);
 }
 
 void FSDPParam::free_unsharded_storage() { free_storage(unsharded_buffer_); }

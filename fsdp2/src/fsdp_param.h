@@ -34,6 +34,20 @@
 // difference shows: an in-place change to the unsharded parameter (under
 // no_grad) writes the shard, where the all-gather path drops it at reshard.
 //
+// [Note: shard dim] A parameter may be sharded on a dim d other than 0
+// (FullyShardOptions::shard_placement_fn): rank r holds torch.chunk(P, world,
+// d)[r], possibly empty. Its padded shard starts with that chunk, contiguous
+// in its own shape, then zeros up to the numel of the largest chunk, so the
+// sharded P and its sharded gradient are contiguous prefixes of the shard
+// exactly as for dim 0, and the all-gather is unchanged. What differs is the
+// unsharded side: a gathered row of rank r is not a block of the full
+// parameter, so the copy-out concatenates the ranks' chunks along d into the
+// unsharded buffer (copy_out_chunks; the buffer then holds only the full
+// parameter), and the gradient is split along d into padded rows for the
+// reduce-scatter (padded_chunks). At one shard rank the chunk is the whole
+// parameter and both layouts agree: d is then only the placement state
+// dicts report (chunk_cat() is false), and the fast path below applies.
+//
 // [Note: mixed precision] With a param_dtype, the unsharded view is in that
 // dtype and set_data switches P's dtype with its state. set_data to another
 // dtype drops P's AccumulateGrad node, which is harmless here: fsdp2 hooks
@@ -85,15 +99,23 @@ class FSDPParam {
   // the parameter's device and `device` is unused.
   FSDPParam(at::Tensor param, std::string fqn, int64_t shard_rank, int64_t shard_world_size,
             c10::ScalarType param_dtype, const OffloadPolicy& offload = {},
-            std::optional<c10::Device> device = std::nullopt);
+            std::optional<c10::Device> device = std::nullopt, int64_t shard_dim = 0);
 
   const at::Tensor& param() const { return param_; }
   const std::string& fqn() const { return fqn_; }
   void set_fqn(std::string fqn) { fqn_ = std::move(fqn); }
   ShardedState state() const { return state_; }
 
+  // The tensor dim the parameter is sharded on (normalized, 0 for a 0-dim
+  // parameter); see [Note: shard dim].
+  int64_t shard_dim() const { return shard_dim_; }
+  // The unsharded parameter is assembled by copy_out_chunks and the gradient
+  // split by padded_chunks instead of the dim-0 row layout: shard_dim() != 0
+  // and more than one shard rank.
+  bool chunk_cat() const { return chunk_cat_; }
   // Elements of this parameter in each rank's all-gather input (the padded
-  // shard): ceil(dim0 / world) rows of row_numel elements.
+  // shard): the numel of the largest torch.chunk of the shard dim, i.e.
+  // ceil(size(d) / world) * numel / size(d).
   int64_t padded_shard_numel() const { return padded_shard_numel_; }
   const std::vector<int64_t>& unsharded_shape() const { return unsharded_shape_; }
   const std::vector<int64_t>& sharded_shape() const { return sharded_shape_; }
@@ -118,7 +140,22 @@ class FSDPParam {
 
   // Allocates the all-gather output buffer's storage (no-op when allocated)
   // and returns it viewed as (world, padded_shard_numel) for the copy-out.
+  // REQUIRES: !chunk_cat().
   at::Tensor alloc_all_gather_output_rows();
+  // [Note: shard dim] Allocates the buffer's storage and fills the unsharded
+  // parameter from `rows`, the gathered padded shards (world,
+  // padded_shard_numel; each row contiguous), by one concatenation along the
+  // shard dim. REQUIRES: chunk_cat().
+  void copy_out_chunks(const at::Tensor& rows);
+  // The padded shards of ranks [first, first + count) cut from `full` (the
+  // unsharded shape, any dtype and device) as (count, padded_shard_numel)
+  // rows in its dtype, padding zeroed: the reduce-scatter input of a
+  // gradient. REQUIRES: chunk_cat().
+  at::Tensor padded_chunks(const at::Tensor& full, int64_t first, int64_t count) const;
+  // The all-gather input rows of ranks [first, first + count) while
+  // unsharded: the all-gather output itself for dim 0, cut from the
+  // unsharded parameter otherwise (reshard_after_forward = k).
+  at::Tensor post_forward_rows(int64_t first, int64_t count);
   // Frees the buffer's storage in place (see the note above).
   void free_unsharded_storage();
   // Bytes held by the unsharded storage now (0 when freed). On the fast path
@@ -186,13 +223,17 @@ class FSDPParam {
   std::string fqn_;
   int64_t rank_;
   int64_t world_size_;
+  int64_t shard_dim_ = 0;
+  bool chunk_cat_ = false;  // see [Note: shard dim]
   std::vector<int64_t> unsharded_shape_;
   std::vector<int64_t> sharded_shape_;
   int64_t unsharded_numel_;
   int64_t padded_shard_numel_;
-  at::Tensor padded_shard_;                // this rank's rows, zero-padded, 1-D
-  at::Tensor sharded_view_;                // padded_shard_ rows as P's sharded shape
-  at::Tensor unsharded_buffer_;            // world * padded_shard_numel_, storage freed while sharded
+  at::Tensor padded_shard_;  // this rank's rows, zero-padded, 1-D
+  at::Tensor sharded_view_;  // padded_shard_ rows as P's sharded shape
+  // world * padded_shard_numel_ (unsharded_numel_ when chunk_cat_),
+  // storage freed while sharded
+  at::Tensor unsharded_buffer_;
   at::Tensor unsharded_view_;              // unsharded_buffer_ prefix as P's full shape
   at::Tensor sharded_grad_;                // a sharded .grad kept aside while unsharded
   at::Tensor unsharded_accumulated_grad_;  // no-sync accumulation

@@ -122,7 +122,7 @@ std::string describe_reduce(const collectives::ReduceOp& op, collectives::Backen
 FSDPParamGroup::FSDPParamGroup(std::vector<at::Tensor> params, std::vector<std::string> param_names, DeviceMesh mesh,
                                c10::Device device, const MixedPrecisionPolicy& mp_policy,
                                std::shared_ptr<collectives::Communicator> post_forward_comm,
-                               const OffloadPolicy& offload_policy)
+                               const OffloadPolicy& offload_policy, const std::vector<int64_t>& shard_dims)
     : mesh_(std::move(mesh)),
       post_forward_comm_(std::move(post_forward_comm)),
       device_(device),
@@ -133,11 +133,14 @@ FSDPParamGroup::FSDPParamGroup(std::vector<at::Tensor> params, std::vector<std::
   if (mesh_.ndim() == 2) replicate_comm_ = mesh_.group(0);
   param_dtype_ = mp_policy.param_dtype.value_or(params.front().scalar_type());
   reduce_dtype_ = mp_policy.reduce_dtype.value_or(param_dtype_);
+  TORCH_INTERNAL_ASSERT(shard_dims.empty() || shard_dims.size() == params.size());
   for (size_t i = 0; i < params.size(); ++i) {
     params_.push_back(std::make_unique<FSDPParam>(std::move(params[i]), std::move(param_names[i]), shard_comm_->rank(),
-                                                  shard_comm_->size(), param_dtype_, offload_policy, device_));
+                                                  shard_comm_->size(), param_dtype_, offload_policy, device_,
+                                                  shard_dims.empty() ? 0 : shard_dims[i]));
     padded_numels_.push_back(params_.back()->padded_shard_numel());
     padded_total_ += padded_numels_.back();
+    chunk_cat_ = chunk_cat_ || params_.back()->chunk_cat();
   }
   // See [Note: world size 1 fast path]. The shard's device type rules out
   // shards kept on the host for a device computation.
@@ -281,12 +284,27 @@ void FSDPParamGroup::wait_for_unshard() {
   DeviceEvent::record(result.all_gather_stream).block(current);
   {
     PhaseScope phase(with_fqn("FSDP::all_gather_copy_out"));
-    std::vector<at::Tensor> outs;
-    outs.reserve(params_.size());
-    for (const auto& p : params_) outs.push_back(p->alloc_all_gather_output_rows());
     c10::NoGradGuard no_grad;
-    at::split_with_sizes_copy_out(outs, result.output.view({shard_comm_->size(), padded_total_}), padded_numels_,
-                                  /*dim=*/1);
+    const at::Tensor gathered = result.output.view({shard_comm_->size(), padded_total_});
+    if (chunk_cat_) {
+      // [Note: shard dim] One copy per parameter: rows for dim 0, a
+      // concatenation along the shard dim for the others.
+      int64_t column = 0;
+      for (const auto& p : params_) {
+        const at::Tensor rows = gathered.narrow(1, column, p->padded_shard_numel());
+        column += p->padded_shard_numel();
+        if (p->chunk_cat()) {
+          p->copy_out_chunks(rows);
+        } else {
+          p->alloc_all_gather_output_rows().copy_(rows);
+        }
+      }
+    } else {
+      std::vector<at::Tensor> outs;
+      outs.reserve(params_.size());
+      for (const auto& p : params_) outs.push_back(p->alloc_all_gather_output_rows());
+      at::split_with_sizes_copy_out(outs, gathered, padded_numels_, /*dim=*/1);
+    }
   }
   to_unsharded();
   DeviceEvent copy_out_done = DeviceEvent::record(current);
@@ -339,7 +357,7 @@ void FSDPParamGroup::to_sharded_post_forward() {
   const int64_t first_row = post_forward_comm_->rank() * rows_per_rank;
   std::vector<at::Tensor> pieces;
   pieces.reserve(params_.size());
-  for (const auto& p : params_) pieces.push_back(p->alloc_all_gather_output_rows().narrow(0, first_row, rows_per_rank));
+  for (const auto& p : params_) pieces.push_back(p->post_forward_rows(first_row, rows_per_rank));
   {
     c10::NoGradGuard no_grad;
     post_forward_shard_ = at::cat(pieces, /*dim=*/1).reshape({-1});
@@ -482,10 +500,17 @@ void FSDPParamGroup::post_backward() {
     c10::NoGradGuard no_grad;
     std::vector<at::Tensor> grads_2d;
     grads_2d.reserve(grads.size());
-    for (at::Tensor& g : grads) {
+    for (size_t i = 0; i < grads.size(); ++i) {
+      at::Tensor& g = grads[i];
       const int64_t rows = g.dim() == 0 ? 1 : g.size(0);
       at::Tensor cast = g.scalar_type() == reduce_dtype_ ? std::move(g) : g.to(reduce_dtype_);
       g = at::Tensor();
+      if (params_with_grad[i]->chunk_cat()) {
+        // [Note: shard dim] Already one padded row per rank, which
+        // _chunk_cat keeps as is.
+        grads_2d.push_back(params_with_grad[i]->padded_chunks(cast, 0, world));
+        continue;
+      }
       grads_2d.push_back(cast.reshape({rows, rows == 0 ? 0 : cast.numel() / rows}));
     }
     at::_chunk_cat_out(input, grads_2d, /*dim=*/0, /*num_chunks=*/world);

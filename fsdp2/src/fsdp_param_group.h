@@ -134,10 +134,12 @@ class FSDPParamGroup {
   // `post_forward_comm`, when set, is the group of consecutive shard ranks to
   // reshard to after forward (reshard_after_forward = k). `offload_policy`:
   // see OffloadPolicy (the caller checked that `device` is not the CPU).
+  // `shard_dims`: each parameter's normalized shard dim (see [Note: shard
+  // dim] in fsdp_param.h); empty means dim 0 for all.
   FSDPParamGroup(std::vector<at::Tensor> params, std::vector<std::string> param_names, DeviceMesh mesh,
                  c10::Device device, const MixedPrecisionPolicy& mp_policy,
-                 std::shared_ptr<collectives::Communicator> post_forward_comm,
-                 const OffloadPolicy& offload_policy = {});
+                 std::shared_ptr<collectives::Communicator> post_forward_comm, const OffloadPolicy& offload_policy = {},
+                 const std::vector<int64_t>& shard_dims = {});
   FSDPParamGroup(const FSDPParamGroup&) = delete;
   FSDPParamGroup& operator=(const FSDPParamGroup&) = delete;
 
@@ -216,6 +218,7 @@ class FSDPParamGroup {
   int64_t padded_total_ = 0;
   std::string module_fqn_;
   bool fast_path_ = false;  // see [Note: world size 1 fast path]
+  bool chunk_cat_ = false;  // some parameter's chunk_cat() (see [Note: shard dim])
   FSDPCommContext* comm_ctx_ = nullptr;
   GroupSettings settings_;
   TrainingState training_state_ = TrainingState::kIdle;

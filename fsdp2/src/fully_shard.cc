@@ -146,6 +146,25 @@ std::shared_ptr<collectives::Communicator> post_forward_group(const DeviceMesh& 
   return mesh.world()->shared_group(ranks, mesh.device_type());
 }
 
+// The dim FullyShardOptions::shard_placement_fn picks for `param`.
+int64_t shard_dim_of(const FullyShardOptions& options, const at::Tensor& param, const std::string& fqn,
+                     const std::string& name) {
+  if (!options.shard_placement_fn) return 0;
+  const std::optional<Placement> placement = options.shard_placement_fn(param);
+  if (!placement) return 0;
+  TORCH_CHECK(placement->is_shard(), "fully_shard: module '", name, "': shard_placement_fn returned ",
+              placement->to_string(), " for parameter '", fqn,
+              "'; it must return a Shard placement (fsdp::Placement::shard(dim)), or std::nullopt for Shard(0)");
+  // Placement::shard refuses negative dims. A 0-dim parameter is sharded as
+  // one row: dim 0 only.
+  const int64_t ndim = std::max<int64_t>(param.dim(), 1);
+  const int64_t dim = placement->dim();
+  TORCH_CHECK(dim < ndim, "fully_shard: module '", name, "': shard_placement_fn returned ", placement->to_string(),
+              " for parameter '", fqn, "' of shape ", param.sizes(), ", which has no dim ", dim, "; pick a dim in [0, ",
+              ndim - 1, "] (e.g. Placement::shard(param.dim() - 1) for the last)");
+  return dim;
+}
+
 }  // namespace detail
 
 namespace detail {
@@ -256,6 +275,7 @@ FSDPModule shard_modules(const std::vector<std::shared_ptr<torch::nn::Module>>& 
   std::vector<at::Tensor> params;
   std::vector<std::string> names;
   std::vector<std::pair<size_t, std::string>> owners;
+  std::vector<int64_t> shard_dims;
   std::unordered_set<const c10::TensorImpl*> seen;
   for (const auto& item : named_params) {
     const at::Tensor& p = item.value();
@@ -288,6 +308,7 @@ FSDPModule shard_modules(const std::vector<std::shared_ptr<torch::nn::Module>>& 
     params.push_back(p);
     names.push_back(item.key());
     owners.emplace_back(item.owner, item.relative_name);
+    shard_dims.push_back(detail::shard_dim_of(options, p, item.key(), name));
   }
 
   std::shared_ptr<collectives::Communicator> post_forward_comm =
@@ -295,7 +316,7 @@ FSDPModule shard_modules(const std::vector<std::shared_ptr<torch::nn::Module>>& 
   std::unique_ptr<detail::FSDPParamGroup> group;
   if (!params.empty()) {
     group = std::make_unique<detail::FSDPParamGroup>(std::move(params), std::move(names), *mesh, device, mp,
-                                                     std::move(post_forward_comm), options.offload_policy);
+                                                     std::move(post_forward_comm), options.offload_policy, shard_dims);
   }
   auto state = std::make_shared<FSDPState>(modules, *mesh, device, std::move(group), options.reshard_after_forward, mp);
   if (modules.size() > 1) state->set_param_owners(std::move(owners));

@@ -85,9 +85,12 @@ class Registry {
 
 bool is_scalar(const FSDPParam& p) { return p.unsharded_shape().empty(); }
 
-std::vector<Placement> shard_placements(const DeviceMesh& mesh) {
-  if (mesh.ndim() == 2) return {Placement::replicate(), Placement::shard(0)};
-  return {Placement::shard(0)};
+// Shard(d) over the group's mesh, d the parameter's shard dim (0 for a 0-dim
+// parameter, sharded as one row); (Replicate, Shard(d)) under HSDP.
+std::vector<Placement> shard_placements(const Slot& slot) {
+  const Placement shard = Placement::shard(slot.param->shard_dim());
+  if (slot.group->mesh().ndim() == 2) return {Placement::replicate(), shard};
+  return {shard};
 }
 
 // `local` on its mesh's device: with CPU offload (OffloadPolicy) the shards
@@ -101,7 +104,7 @@ at::Tensor on_mesh_device(const at::Tensor& local, const Slot& slot) {
 
 // A DTensor over `local` (laid out as the parameter's sharded rows).
 DTensor sharded_dtensor(const at::Tensor& local, const Slot& slot) {
-  return DTensor::from_local(on_mesh_device(local, slot), slot.group->mesh(), shard_placements(slot.group->mesh()),
+  return DTensor::from_local(on_mesh_device(local, slot), slot.group->mesh(), shard_placements(slot),
                              slot.param->unsharded_shape());
 }
 
@@ -112,7 +115,7 @@ at::Tensor gather_full(const at::Tensor& local, const Slot& slot) {
   if (!is_scalar(*slot.param)) return sharded_dtensor(local, slot).full_tensor();
   // A 0-dim parameter is sharded as one row, held by the first shard rank.
   DTensor one = DTensor::from_local(on_mesh_device(local, slot).reshape({-1}), slot.group->mesh(),
-                                    shard_placements(slot.group->mesh()), std::vector<int64_t>{1});
+                                    shard_placements(slot), std::vector<int64_t>{1});
   return one.full_tensor().reshape({});
 }
 
@@ -125,8 +128,9 @@ void copy_rows(const at::Tensor& dest, const Slot& slot, const at::Tensor& full)
   }
   const FSDPParam& p = *slot.param;
   const at::Tensor rows = is_scalar(p) ? full.reshape({1}) : full;
-  const ChunkExtent ext = chunk_extent(rows.size(0), p.shard_world_size(), p.shard_rank());
-  dest.copy_(rows.narrow(0, ext.offset, ext.length));
+  const int64_t dim = p.shard_dim();
+  const ChunkExtent ext = chunk_extent(rows.size(dim), p.shard_world_size(), p.shard_rank());
+  dest.copy_(rows.narrow(dim, ext.offset, ext.length));
 }
 
 bool same_mesh(const DeviceMesh& a, const DeviceMesh& b) {
@@ -144,7 +148,7 @@ void load_value(const at::Tensor& dest, const Slot& slot, const StateValue& valu
   }
   const DTensor& dt = value.dtensor();
   if (slot.param && !is_scalar(*slot.param) && same_mesh(dt.mesh(), slot.group->mesh()) &&
-      dt.placements() == shard_placements(slot.group->mesh())) {
+      dt.placements() == shard_placements(slot)) {
     dest.copy_(dt.to_local());
     return;
   }
@@ -382,6 +386,14 @@ void regather_unsharded(const std::vector<Target>& targets) {
   for (FSDPParamGroup* g : groups) {
     const auto& comm = g->mesh().group(g->mesh().ndim() - 1);
     for (const auto& p : g->params()) {
+      if (p->chunk_cat()) {
+        // See [Note: shard dim] (fsdp_param.h).
+        at::Tensor in = p->padded_shard().to(g->device(), p->param_dtype());
+        at::Tensor rows = at::empty({p->shard_world_size(), p->padded_shard_numel()}, in.options());
+        comm->all_gather_into_tensor(rows.view({-1}), in).wait();
+        p->copy_out_chunks(rows);
+        continue;
+      }
       at::Tensor out = p->alloc_all_gather_output_rows();
       at::Tensor in = p->padded_shard().to(out.device(), out.scalar_type());
       comm->all_gather_into_tensor(out.reshape({-1}), in).wait();

@@ -56,6 +56,7 @@
 #include <torch/nn/pimpl.h>
 
 #include "device_mesh/device_mesh.h"
+#include "device_mesh/placement.h"
 #include "fsdp2/module_call.h"
 
 namespace fsdp {
@@ -182,6 +183,27 @@ struct FullyShardOptions {
   // yourself if they are trained). They stay full on every rank. Pass them to
   // every fully_shard call whose module contains them, the root's included.
   std::vector<at::Tensor> ignored_params;
+  // Which tensor dim each parameter is sharded on (FSDP2's
+  // shard_placement_fn): called once per parameter this call shards, with
+  // the full parameter; return Placement::shard(d) to give rank r
+  // torch.chunk(param, shard size, d)[r] (uneven chunks and empty ones
+  // allowed), or std::nullopt for Shard(0). Placement::shard takes d >= 0
+  // (param.dim() - 1 for the last dim). Unset: every parameter on dim 0.
+  // Sharded state dicts then hold Shard(d) DTensors ((Replicate, Shard(d))
+  // under HSDP). At 2+ shard ranks, d != 0 costs one extra copy of the
+  // parameter per all-gather (concatenating the chunks) and of its gradient
+  // per reduce-scatter; use it when an optimizer or a checkpoint layout
+  // needs the split along d.
+  //
+  //   opts.shard_placement_fn = [](const at::Tensor& p) -> std::optional<fsdp::Placement> {
+  //     if (p.dim() == 2) return fsdp::Placement::shard(1);  // weights by column
+  //     return std::nullopt;                                 // the rest by row
+  //   };
+  //
+  // fully_shard throws, naming the module and the parameter, when it returns
+  // a placement that is not a Shard or a dim the parameter lacks (a 0-dim
+  // parameter, sharded as one row, takes dim 0 only).
+  std::function<std::optional<Placement>(const at::Tensor& param)> shard_placement_fn;
 };
 
 namespace detail {

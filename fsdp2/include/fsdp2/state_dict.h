@@ -26,7 +26,9 @@
 //   with c = ceil(N/W), rank r owns rows [min(r*c, N), min((r+1)*c, N)))
 //   sharing storage with the sharded parameter, so writing into it writes the
 //   parameter; placements Shard(0), or (Replicate, Shard(0)) under HSDP; the
-//   global shape is the unsharded shape. Parameters that no fully_shard
+//   global shape is the unsharded shape. A parameter that
+//   FullyShardOptions::shard_placement_fn put on dim d is split the same way
+//   along d: Shard(d), or (Replicate, Shard(d)). Parameters that no fully_shard
 //   manages, buffers, and 0-dim parameters are plain full tensors (a 0-dim
 //   parameter cannot be a Shard(0) DTensor; its value is gathered, which is
 //   why the sharded getter is collective).
