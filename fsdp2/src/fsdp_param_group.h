@@ -48,9 +48,12 @@ struct FSDPCommContext {
   //     i's wait_for_unshard), not for group i's: on the device, group
   //     i+1's all-gather may run while group i's copy-out and compute (and
   //     the end of group i-1's) still run on the current stream.
-  //   - at most two all-gather outputs are alive in forward (group i's,
-  //     held, and group i+1's, in flight): group i+2's copy-in is enqueued
-  //     after group i+1's wait_for_unshard freed group i's.
+  //   - without explicit forward prefetch, at most two all-gather outputs
+  //     are alive in forward (group i's, held, and group i+1's, in flight):
+  //     group i+2's copy-in is enqueued after group i+1's wait_for_unshard
+  //     freed group i's. (Freeing at the next copy-in instead, as before,
+  //     held one output less there but serialized the all-gathers behind
+  //     the copy-outs.)
   // Backward and explicit unshards (async_op) free their output after their
   // own copy-out. Released at the root's post-forward and when backward
   // starts. On CPU (no streams) the output is freed after its copy-out and

@@ -7,8 +7,10 @@
 // starts, an order that changes between iterations (a skipped block) stays
 // correct and leaves no all-gather behind, no_grad forwards, an explicit
 // set_modules_to_forward_prefetch replaces the implicit prefetch, and no
-// group is gathered twice (all-gather counts per step). At world size 1 the
-// groups take the fast path (nothing to gather) and nothing is prefetched.
+// group is gathered twice (all-gather counts per step), and reset_iter_state
+// after a forward that threw with a prefetch in flight. At world size 1 the
+// groups take the fast path (nothing to gather) and nothing is prefetched
+// implicitly.
 #include <algorithm>
 #include <functional>
 #include <mutex>
@@ -395,6 +397,35 @@ TEST_P(ForwardPrefetch, ExplicitForwardPrefetchReplacesTheImplicitOne) {
                                           "gather b3", "forward b2", "forward b3"}))
             << "step " << step;
       }
+      s.step();
+    }
+    expect_params_match(*s.model, *s.reference, ctx.mesh());
+  });
+}
+
+// A forward that throws inside b1, after b1's pre-forward prefetched b2:
+// reset_iter_state completes that all-gather and reshards everything, and
+// training goes on equal to the reference, gathering each group once.
+TEST_P(ForwardPrefetch, ResetIterStateAfterAThrowWithAPrefetchInFlight) {
+  testing::run_distributed(GetParam(), [](testing::RankContext& ctx) {
+    Rig s(ctx);
+    s.forward_backward(0);
+    s.step();
+    s.model->set_probe([](int i) { TORCH_CHECK(i != 1, "planted failure in b1"); });
+    const Batch local = chain_batch(1).slice(ctx.rank(), ctx.world_size());
+    s.root->reset_runtime_stats();
+    EXPECT_THROW_WITH(call_module(*s.model, local.x), "planted failure in b1");
+    // The root, b0 and b1 gathered, b2 prefetched (the next in the last
+    // order) when b1's forward threw.
+    EXPECT_EQ(s.root->runtime_stats().all_gathers, ctx.world_size() == 1 ? 0 : 4);
+    s.root->reset_iter_state();
+    EXPECT_EQ(s.root->unsharded_bytes(), 0);
+    for (size_t i = 0; i < s.blocks.size(); ++i) EXPECT_EQ(s.blocks[i].unsharded_bytes(), 0) << "block " << i;
+    s.model->set_probe({});
+    for (int step = 1; step < 3; ++step) {
+      const auto [forward, backward] = s.forward_backward(step);
+      EXPECT_EQ(forward, s.forward_gathers(Chain::kBlocks)) << "step " << step;
+      EXPECT_EQ(backward, s.backward_gathers(Chain::kBlocks)) << "step " << step;
       s.step();
     }
     expect_params_match(*s.model, *s.reference, ctx.mesh());
