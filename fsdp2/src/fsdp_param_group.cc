@@ -207,10 +207,8 @@ void FSDPParamGroup::unshard(bool async_op) {
   {
     OptionalStreamGuard guard(copy_in_stream);
     PhaseScope phase(with_fqn("FSDP::all_gather_copy_in"));
-    // See [Note: all-gather output lifetime].
-    comm_ctx_->last_all_gather_done.block(copy_in_stream);
-    comm_ctx_->last_all_gather_done = DeviceEvent();
-    comm_ctx_->last_all_gather_output = at::Tensor();
+    // No wait for the last forward copy-out here: see [Note: all-gather
+    // output lifetime].
     output = at::empty({world * padded_total_}, options);
     const int64_t input_numel = output.numel() / comm->size();
     c10::NoGradGuard no_grad;
@@ -272,6 +270,10 @@ void FSDPParamGroup::wait_for_unshard() {
     return;
   }
   const StreamSet& streams = comm_ctx_->streams;
+  // The previous forward group's output is freed here, after this group's
+  // copy-in was issued and before its copy-out (see [Note: all-gather output
+  // lifetime]).
+  if (training_state_ == TrainingState::kForward) comm_ctx_->release_all_gather_state();
   {
     PhaseScope phase(with_fqn("FSDP::all_gather_wait"));
     OptionalStreamGuard guard(result.all_gather_stream);
@@ -308,9 +310,10 @@ void FSDPParamGroup::wait_for_unshard() {
   }
   to_unsharded();
   DeviceEvent copy_out_done = DeviceEvent::record(current);
-  if (!result.async_op && training_state_ == TrainingState::kForward) {
-    // Freed at the next copy-in, so that this copy-out overlaps the next
-    // all-gather (see [Note: all-gather output lifetime]).
+  if (!result.async_op && training_state_ == TrainingState::kForward && streams.enabled()) {
+    // Freed at the next group's wait_for_unshard, so that this copy-out
+    // overlaps the next all-gather (see [Note: all-gather output lifetime]).
+    // On CPU nothing runs behind the host: the output goes now.
     comm_ctx_->last_all_gather_output = std::move(result.output);
     comm_ctx_->last_all_gather_done = std::move(copy_out_done);
   } else {
@@ -336,6 +339,25 @@ void FSDPParamGroup::reshard() {
     }
   }
   to_sharded();
+}
+
+void FSDPParamGroup::discard_all_gather() {
+  if (!all_gather_) return;
+  AllGatherResult result = std::move(*all_gather_);
+  all_gather_.reset();
+  if (fast_path_) return;
+  const StreamSet& streams = comm_ctx_->streams;
+  const std::optional<c10::Stream> caller = streams.current_stream();
+  {
+    OptionalStreamGuard guard(result.all_gather_stream);
+    result.work.wait();
+  }
+  // The output was allocated on the copy-in stream (or, for an explicit
+  // unshard, the caller's): the allocator may reuse it there only after the
+  // collective wrote it.
+  const DeviceEvent done = DeviceEvent::record(result.all_gather_stream);
+  done.block(streams.all_gather_copy_in());
+  done.block(caller);
 }
 
 void FSDPParamGroup::to_sharded() {

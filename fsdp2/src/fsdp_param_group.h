@@ -34,15 +34,35 @@ struct FSDPCommContext {
   // prefetch (each backward prefetches the group that ran before it).
   std::vector<FSDPParamGroup*> post_forward_order;
   // [Note: all-gather output lifetime] The last all-gather output copied out
-  // in forward and the event after its copy-out (FSDP2's all_gather_state).
-  // The output was allocated on the all-gather stream, so it is kept alive
-  // until the next copy-in has waited for the event (the next copy-out then
-  // overlaps that all-gather); only then may the caching allocator reuse it.
-  // Released at the root's post-forward and when backward starts.
+  // in forward and the event after its copy-out (FSDP2's all_gather_state),
+  // CUDA only. Forward all-gathers are pipelined two deep, as in FSDP2:
+  //   - group i's output (allocated on the copy-in stream) is kept after its
+  //     copy-out, which runs on the current stream, until group i+1's
+  //     wait_for_unshard; there, before group i+1's copy-out, both
+  //     all-gather streams wait for group i's copy-out event and the output
+  //     is dropped. The caching allocator reuses a block freed on the
+  //     copy-in stream only for work enqueued later on that stream, which
+  //     now comes after group i's copy-out read it.
+  //   - group i+1's copy-in was enqueued at its unshard, before that wait,
+  //     so it waits only for group i-1's copy-out (the wait made at group
+  //     i's wait_for_unshard), not for group i's: on the device, group
+  //     i+1's all-gather may run while group i's copy-out and compute (and
+  //     the end of group i-1's) still run on the current stream.
+  //   - without explicit forward prefetch, at most two all-gather outputs
+  //     are alive in forward (group i's, held, and group i+1's, in flight):
+  //     group i+2's copy-in is enqueued after group i+1's wait_for_unshard
+  //     freed group i's. (Freeing at the next copy-in instead, as before,
+  //     held one output less there but serialized the all-gathers behind
+  //     the copy-outs.)
+  // Backward and explicit unshards (async_op) free their output after their
+  // own copy-out. Released at the root's post-forward and when backward
+  // starts. On CPU (no streams) the output is freed after its copy-out and
+  // the forward pipelining is the implicit forward prefetch instead (see
+  // [Note: implicit forward prefetch] in fsdp_state.h).
   at::Tensor last_all_gather_output;
   DeviceEvent last_all_gather_done;
-  // Makes the all-gather streams wait for the last copy-out and frees its
-  // all-gather output.
+  // Makes the all-gather streams wait for the last forward copy-out and
+  // frees its all-gather output. No-op when none is held.
   void release_all_gather_state();
 
   // [Note: bounded reductions] At most two groups' unreduced gradients are
@@ -172,6 +192,13 @@ class FSDPParamGroup {
   void wait_for_unshard();
   // Frees the unsharded parameters (honours reshard_after_forward in forward).
   void reshard();
+  // Whether an all-gather was issued and not yet waited for.
+  bool has_pending_all_gather() const { return all_gather_.has_value(); }
+  // Waits for an issued all-gather that nothing will wait for (a forward
+  // prefetch of a module that did not run) and drops its output; the group
+  // stays sharded, so its next unshard gathers the shards as they are then.
+  // No-op when none is pending.
+  void discard_all_gather();
 
   void pre_forward(TensorRefs& inputs);
   void post_forward();

@@ -157,10 +157,32 @@ void FSDPState::pre_forward(TensorRefs& inputs) {
     }
   }
   if (group_) group_->pre_forward(inputs);
-  for (const auto& weak : forward_prefetch) {
-    if (auto target = weak.lock(); target && target->group_)
-      prefetch_unshard(target->group_.get(), TrainingState::kForward);
+  if (!forward_prefetch.empty()) {
+    for (const auto& weak : forward_prefetch) {
+      auto target = weak.lock();
+      if (target && target->group_ && prefetch_unshard(target->group_.get(), TrainingState::kForward)) {
+        ctx_->forward_prefetched.push_back(target);
+      }
+    }
+  } else if (group_ && !ctx_->comm.streams.enabled()) {
+    implicit_forward_prefetch(ctx_->forward_order.size());
   }
+  if (group_) ctx_->forward_order.push_back(weak_from_this());
+}
+
+void FSDPState::implicit_forward_prefetch(size_t position) {
+  const std::vector<std::weak_ptr<FSDPState>>& last = ctx_->last_forward_order;
+  if (position + 1 >= last.size() || last[position].lock().get() != this) return;
+  auto target = last[position + 1].lock();
+  if (!target || !target->group_ || target->group_->fast_path()) return;
+  if (prefetch_unshard(target->group_.get(), TrainingState::kForward)) ctx_->forward_prefetched.push_back(target);
+}
+
+void FSDPState::discard_unused_forward_prefetches() {
+  for (const auto& weak : ctx_->forward_prefetched) {
+    if (auto target = weak.lock(); target && target->group_) target->group_->discard_all_gather();
+  }
+  ctx_->forward_prefetched.clear();
 }
 
 void FSDPState::group_pre_forward(const torch::nn::Module& /*module*/, TensorRefs& inputs) {
@@ -195,6 +217,9 @@ void FSDPState::root_pre_forward(TensorRefs& inputs) {
   if (ctx_->iter_forward_root != nullptr) return;
   ctx_->iter_forward_root = this;
   PhaseScope phase("FSDP::root_pre_forward");
+  // Left by a forward that did not reach the root's post-forward.
+  discard_unused_forward_prefetches();
+  ctx_->forward_order.clear();
   StreamSet& streams = ctx_->comm.streams;
   if (streams.enabled()) {
     // The next all-gathers read the shards the optimizer just updated. The
@@ -231,6 +256,10 @@ void FSDPState::post_forward(TensorRefs& outputs) {
   training_state_ = TrainingState::kIdle;
   if (ctx_->iter_forward_root == this) {
     complete_group_forwards();
+    // See [Note: implicit forward prefetch].
+    discard_unused_forward_prefetches();
+    ctx_->last_forward_order = std::move(ctx_->forward_order);
+    ctx_->forward_order.clear();
     // The last all-gather output is not needed through the loss and the
     // optimizer step (FSDP2 frees it here too).
     ctx_->comm.release_all_gather_state();
@@ -368,14 +397,16 @@ void FSDPState::pre_backward() {
   }
 }
 
-void FSDPState::prefetch_unshard(FSDPParamGroup* target, TrainingState state) {
+bool FSDPState::prefetch_unshard(FSDPParamGroup* target, TrainingState state) {
   PhaseScope phase(
       std::string(state == TrainingState::kForward ? "FSDP::forward_prefetch" : "FSDP::backward_prefetch") + " for " +
       target->module_fqn());
+  const bool idle = !target->is_unsharded() && !target->has_pending_all_gather();
   const TrainingState saved = target->training_state();
   target->set_training_state(state);
   target->unshard(/*async_op=*/false);
   target->set_training_state(saved);
+  return idle && target->has_pending_all_gather();
 }
 
 void FSDPState::register_final_callback() {
@@ -439,6 +470,9 @@ void FSDPState::reset_iter_state() {
   ctx_->comm.post_forward_order.clear();
   ctx_->iter_forward_root = nullptr;
   ctx_->post_backward_final_callback_queued = false;
+  // The groups' reset waited for their prefetched all-gathers.
+  ctx_->forward_order.clear();
+  ctx_->forward_prefetched.clear();
 }
 
 }  // namespace fsdp::detail

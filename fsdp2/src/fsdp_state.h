@@ -30,6 +30,31 @@ struct FSDPStateContext {
   FSDPState* iter_forward_root = nullptr;
   bool post_backward_final_callback_queued = false;
   FSDPCommContext comm;
+  // [Note: implicit forward prefetch] On CPU (Gloo) the host computes, so no
+  // all-gather runs ahead of it unless issued early: at a state's
+  // pre-forward, after its own all-gather was waited for, the runtime issues
+  // the all-gather of the state that came next in the last completed
+  // forward, which then runs on Gloo's thread during this state's compute
+  // (two deep: the current group unsharded, the next one in flight). The
+  // state at position k of this forward prefetches position k+1 of the last
+  // one only while position k there is this same state, so an order that
+  // changed prefetches at most one group that will not run; the first
+  // forward has no order and prefetches nothing. An explicit
+  // set_modules_to_forward_prefetch replaces it for that state (as in
+  // backward). Groups with nothing to gather (world size 1 fast path) are
+  // not prefetched. Every all-gather issued by a forward prefetch and not
+  // used by this forward is waited for and dropped at the root's
+  // post-forward (the group stays sharded), so that none outlives the
+  // forward, e.g. into an optimizer step that changes the shards. On CUDA the
+  // host runs ahead of the device and FSDP2's pipelining of the stream
+  // order applies instead (see [Note: all-gather output lifetime]).
+  // States with a group, in the order of their pre-forwards in this forward.
+  std::vector<std::weak_ptr<FSDPState>> forward_order;
+  // The same for the last forward that reached the root's post-forward.
+  std::vector<std::weak_ptr<FSDPState>> last_forward_order;
+  // Targets whose all-gather a forward prefetch (implicit or explicit)
+  // issued in this forward.
+  std::vector<std::weak_ptr<FSDPState>> forward_prefetched;
 };
 
 class FSDPState : public std::enable_shared_from_this<FSDPState> {
@@ -104,7 +129,15 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   // (given the message of the error a forward raised) for the first one
   // whose sharded shape that message shows; empty when none.
   std::string call_around_hooks_message(const std::string* error) const;
-  static void prefetch_unshard(FSDPParamGroup* target, TrainingState state);
+  // Whether it issued an all-gather (none when the target is unsharded or
+  // has one pending).
+  static bool prefetch_unshard(FSDPParamGroup* target, TrainingState state);
+  // See [Note: implicit forward prefetch]. `position`: this pre-forward's
+  // index in this forward's order.
+  void implicit_forward_prefetch(size_t position);
+  // Waits for and drops the all-gathers forward prefetches issued that no
+  // forward used.
+  void discard_unused_forward_prefetches();
 
   std::vector<std::weak_ptr<torch::nn::Module>> modules_;
   std::vector<std::pair<size_t, std::string>> param_owners_;

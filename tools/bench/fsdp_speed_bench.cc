@@ -12,6 +12,7 @@
 //   fsdp_speed_bench              about two minutes: 8 steps per run (2 untimed)
 //   fsdp_speed_bench --steps 40   longer runs, steadier medians
 //   fsdp_speed_bench --quick      a seconds-long smoke run (tiny model)
+//   fsdp_speed_bench --models host --world-sizes 2   one row
 #include <algorithm>
 #include <cstdio>
 #include <string>
@@ -28,6 +29,8 @@
 ABSL_FLAG(int, steps, 8, "steps per run, including the untimed warm-up steps");
 ABSL_FLAG(int, warmup_steps, 2, "untimed first steps of each run");
 ABSL_FLAG(std::string, world_sizes, "1,2", "comma-separated world sizes");
+ABSL_FLAG(std::string, models, "host,compute",
+          "comma-separated: host (16 blocks of dim 64, host overhead dominates), compute (4 blocks of dim 256)");
 ABSL_FLAG(bool, quick, false, "tiny model, 3 steps: checks the program works, measures nothing");
 ABSL_FLAG(bool, cpu_only, false, "skip the CUDA rows even where GPUs are present");
 ABSL_FLAG(std::string, trainer, "", "fsdp_train to run (default: the one built with this program)");
@@ -84,10 +87,24 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "fsdp_speed_bench: need a world size and --steps > --warmup-steps >= 0\n");
     return 2;
   }
-  const std::vector<Model> models =
-      quick ? std::vector<Model>{{"2 blocks, dim 32, seq 16, batch 8", make_shape(2, 32, 16, 8)}}
-            : std::vector<Model>{{"16 blocks, dim 64, seq 32, batch 8", make_shape(16, 64, 32, 8)},
-                                 {"4 blocks, dim 256, seq 128, batch 8", make_shape(4, 256, 128, 8)}};
+  std::vector<Model> models;
+  if (quick) models.push_back({"2 blocks, dim 32, seq 16, batch 8", make_shape(2, 32, 16, 8)});
+  for (const auto& part : absl::StrSplit(absl::GetFlag(FLAGS_models), ',', absl::SkipEmpty())) {
+    if (quick) break;
+    if (part == "host") {
+      models.push_back({"16 blocks, dim 64, seq 32, batch 8", make_shape(16, 64, 32, 8)});
+    } else if (part == "compute") {
+      models.push_back({"4 blocks, dim 256, seq 128, batch 8", make_shape(4, 256, 128, 8)});
+    } else {
+      std::fprintf(stderr, "fsdp_speed_bench: --models takes host and/or compute (got '%s')\n",
+                   std::string(part).c_str());
+      return 2;
+    }
+  }
+  if (models.empty()) {
+    std::fprintf(stderr, "fsdp_speed_bench: --models names no model\n");
+    return 2;
+  }
 
   std::vector<std::string> devices = {"cpu"};
   int max_world = 1;
