@@ -285,10 +285,12 @@ Measured run_pytorch_fsdp2(const Programs& programs, const TrainShape& shape, co
     // A PyTorch rank under the LD_PRELOAD malloc counter was seen to die of
     // SIGABRT once in a CI run (cause not found yet): say so on stderr
     // and measure once more rather than lose the row.
+    // The end of its output goes with the notice, to find the cause.
+    const size_t tail = run.output.size() > 4000 ? run.output.size() - 4000 : 0;
     std::fprintf(stderr,
                  "fsdp_memory_bench: the PyTorch FSDP2 run under the malloc counter failed (exit code %d); "
-                 "running it once more\n",
-                 run.exit_code);
+                 "running it once more. The end of its output:\n%s\n",
+                 run.exit_code, run.output.c_str() + tail);
     run = run_program(programs.python, args, run_env(programs, options, retry_dir, &counter_dir));
     at = run.output.rfind("RESULT ");
   }
