@@ -43,12 +43,6 @@ std::shared_ptr<M> seeded() {
   return std::make_shared<M>();
 }
 
-FullyShardOptions mesh_options(testing::RankContext& ctx) {
-  FullyShardOptions o;
-  o.mesh = ctx.mesh();
-  return o;
-}
-
 // b1 is never called; `spare` is a parameter of the root no forward uses.
 struct WithUnused : torch::nn::Module {
   WithUnused()

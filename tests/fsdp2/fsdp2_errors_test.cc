@@ -9,12 +9,6 @@
 namespace fsdp::test {
 namespace {
 
-FullyShardOptions mesh_options(testing::RankContext& ctx) {
-  FullyShardOptions o;
-  o.mesh = ctx.mesh();
-  return o;
-}
-
 // The root's forward calls its block around the hooks.
 struct CallsAroundHooks : torch::nn::Module {
   CallsAroundHooks() : block(register_module("block", MLPBlock(7, 13))) {}

@@ -11,12 +11,6 @@
 namespace fsdp::test {
 namespace {
 
-FullyShardOptions mesh_options(testing::RankContext& ctx) {
-  FullyShardOptions o;
-  o.mesh = ctx.mesh();
-  return o;
-}
-
 constexpr int64_t kDim = 9;    // 9 rows: shards of 5+4, 3+3+3 and 3+3+3+0
 constexpr int64_t kRows = 12;  // divisible by every world size 1-4
 

@@ -16,12 +16,6 @@
 namespace fsdp::test {
 namespace {
 
-FullyShardOptions mesh_options(testing::RankContext& ctx) {
-  FullyShardOptions o;
-  o.mesh = ctx.mesh();
-  return o;
-}
-
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // `n` blocks of Linear(64, 64) + tanh; `probe(i)` runs when the gradient

@@ -27,30 +27,19 @@
 namespace fsdp::test {
 namespace {
 
-// 7 -> 13 -> 3 -> 5. Weights (13, 7), (3, 13), (5, 3) are sharded on their
-// columns: 7, 13 and 3 columns, so at 4 ranks the head's weight chunks are
-// 1, 1, 1, 0 columns; the biases (13, 3, 5 rows) stay on dim 0.
-struct ColumnNet : LossModel {
-  ColumnNet()
-      : b0(register_module("b0", MLPBlock(7, 13))),
-        b1(register_module("b1", MLPBlock(13, 3))),
-        head(register_module("head", torch::nn::Linear(3, 5))) {}
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& y) override {
-    return torch::nn::functional::mse_loss(head(b1(b0(x))), y);
-  }
-  std::vector<std::shared_ptr<torch::nn::Module>> blocks() override { return {b0.ptr(), b1.ptr()}; }
-  MLPBlock b0, b1;
-  torch::nn::Linear head;
-};
+// MLP(3): 7 -> 13 -> 3 -> 3. Weights (13, 7), (3, 13), (3, 3) are sharded
+// on their columns: 7, 13 and 3 columns, so at 4 ranks the head's weight
+// chunks are 1, 1, 1, 0 columns; the biases (13, 3, 3 rows) stay on dim 0.
+using ColumnNet = MLP;
 
 std::shared_ptr<ColumnNet> make_net(int seed = 0) {
   torch::manual_seed(seed);
-  return std::make_shared<ColumnNet>();
+  return std::make_shared<ColumnNet>(/*width=*/3);
 }
 
 Batch make_net_batch(int64_t step, int64_t rows) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(2000 + step);
-  return {at::randn({rows, 7}, gen), at::randn({rows, 5}, gen)};
+  return {at::randn({rows, 7}, gen), at::randn({rows, 3}, gen)};
 }
 
 // Weights on their last dim, the rest on the default.

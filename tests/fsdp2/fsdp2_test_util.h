@@ -97,6 +97,13 @@ inline void expect_params_match(torch::nn::Module& sharded, torch::nn::Module& r
   }
 }
 
+// Options that shard over the test's mesh, everything else default.
+inline FullyShardOptions mesh_options(testing::RankContext& ctx) {
+  FullyShardOptions o;
+  o.mesh = ctx.mesh();
+  return o;
+}
+
 // The mean over ranks of a per-rank scalar.
 inline double mean_over_ranks(testing::RankContext& ctx, double value) {
   at::Tensor t = at::full({1}, value, at::kDouble);

@@ -48,11 +48,12 @@ struct WithScale : torch::nn::Module {
   at::Tensor scale;
 };
 
+// 7 -> 13 -> `width` -> 3.
 struct MLP : LossModel {
-  MLP()
+  explicit MLP(int64_t width = 10)
       : b0(register_module("b0", MLPBlock(7, 13))),
-        b1(register_module("b1", MLPBlock(13, 10))),
-        head(register_module("head", torch::nn::Linear(10, 3))) {}
+        b1(register_module("b1", MLPBlock(13, width))),
+        head(register_module("head", torch::nn::Linear(width, 3))) {}
   at::Tensor forward(const at::Tensor& x, const at::Tensor& y) override {
     return torch::nn::functional::mse_loss(head(b1(b0(x))), y);
   }
