@@ -6,9 +6,11 @@
 
 #include <dirent.h>
 #include <stdlib.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -175,6 +177,39 @@ TEST(BenchSmoke, SpeedBenchPrintsAllThreeSystemsPerWorldSize) {
     EXPECT_NE(rows[i].find(i == 0 ? "  1 " : "  2 "), std::string::npos) << rows[i];
     expect_positive_numbers(rows[i], 9);
   }
+}
+
+// A PyTorch side that dies of SIGABRT once (as fsdp2_bench.py's ranks were
+// seen to in CI) costs a retry, announced with the failed run's output, not
+// the row.
+TEST(BenchSmoke, PyTorchRunThatDiesOnceIsRetriedAndAnnounced) {
+  char dir_template[] = "/tmp/fsdp2cpp_fake_python_XXXXXX";
+  ASSERT_NE(::mkdtemp(dir_template), nullptr);
+  const std::string dir = dir_template;
+  const std::string fake = dir + "/python";
+  {
+    std::ofstream out(fake);
+    out << "#!/bin/sh\n"
+        << "if [ ! -e " << dir << "/failed_once ]; then\n"
+        << "  touch " << dir << "/failed_once\n"
+        << "  echo 'fake rank 0 aborts' >&2\n"
+        << "  kill -ABRT $$\n"
+        << "fi\n"
+        << "echo 'RESULT {\"median_step_s\": 0.01, \"peak_bytes\": 1048576, \"loss_first\": 5.0, "
+           "\"loss_last\": 4.0, \"world_size\": 1}'\n";
+  }
+  ASSERT_EQ(::chmod(fake.c_str(), 0700), 0);
+  const RunResult run =
+      run_program(FSDP_SPEED_BENCH, {"--quick", "--cpu-only", "--world-sizes", "1", "--python", fake});
+  std::remove((dir + "/failed_once").c_str());
+  std::remove(fake.c_str());
+  ::rmdir(dir.c_str());
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_NE(run.output.find("running it once more"), std::string::npos) << run.output;
+  EXPECT_NE(run.output.find("fake rank 0 aborts"), std::string::npos) << "the failed run's output:\n" << run.output;
+  const auto rows = lines_starting_with(run.output, "cpu ");
+  ASSERT_EQ(rows.size(), 1u) << run.output;
+  expect_positive_numbers(rows[0], 9);
 }
 
 TEST(BenchSmoke, OverheadBenchPrintsPerGroupFiguresAndTheRatio) {

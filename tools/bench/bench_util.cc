@@ -6,11 +6,13 @@
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <deque>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <deque>
 #include <fstream>
 #include <regex>
 #include <sstream>
@@ -269,6 +271,18 @@ Measured run_fsdp_train(const Programs& programs, const TrainShape& shape, const
   return m;
 }
 
+RunResult run_pytorch_script(const std::string& python, const std::vector<std::string>& args,
+                             const std::function<std::vector<std::string>()>& make_env) {
+  const auto attempt = [&] { return run_program(python, args, make_env ? make_env() : std::vector<std::string>{}); };
+  RunResult run = attempt();
+  if (run.exit_code == 0 && run.output.rfind("RESULT ") != std::string::npos) return run;
+  std::fprintf(stderr,
+               "bench: the PyTorch FSDP2 script failed (exit code %d); running it once more. The end of its "
+               "output:\n%s\n",
+               run.exit_code, tail(run.output).c_str());
+  return attempt();
+}
+
 Measured run_pytorch_fsdp2(const Programs& programs, const TrainShape& shape, const RunOptions& options) {
   std::vector<std::string> args = {programs.script,  "train",
                                    "--nproc",        std::to_string(options.nproc),
@@ -276,24 +290,15 @@ Measured run_pytorch_fsdp2(const Programs& programs, const TrainShape& shape, co
   const std::vector<std::string> flags = shape_flags(shape, options);
   args.insert(args.end(), flags.begin(), flags.end());
   if (options.no_shard) args.push_back("--no-shard");
-  ScratchDir dir;
-  ScratchDir retry_dir;  // outlives the retry: the counter reports are read below
+  // One scratch directory per attempt; the last one's counter reports are
+  // read below.
+  std::deque<ScratchDir> dirs;  // deque: ScratchDir does not move
   std::string counter_dir;
-  RunResult run = run_program(programs.python, args, run_env(programs, options, dir, &counter_dir));
-  size_t at = run.output.rfind("RESULT ");
-  if ((run.exit_code != 0 || at == std::string::npos) && options.count_live_bytes) {
-    // A PyTorch rank under the LD_PRELOAD malloc counter was seen to die of
-    // SIGABRT once in a CI run (cause not found yet): say so on stderr
-    // and measure once more rather than lose the row.
-    // The end of its output goes with the notice, to find the cause.
-    const size_t tail = run.output.size() > 4000 ? run.output.size() - 4000 : 0;
-    std::fprintf(stderr,
-                 "fsdp_memory_bench: the PyTorch FSDP2 run under the malloc counter failed (exit code %d); "
-                 "running it once more. The end of its output:\n%s\n",
-                 run.exit_code, run.output.c_str() + tail);
-    run = run_program(programs.python, args, run_env(programs, options, retry_dir, &counter_dir));
-    at = run.output.rfind("RESULT ");
-  }
+  const RunResult run = run_pytorch_script(programs.python, args, [&] {
+    dirs.emplace_back();
+    return run_env(programs, options, dirs.back(), &counter_dir);
+  });
+  const size_t at = run.output.rfind("RESULT ");
   if (run.exit_code != 0 || at == std::string::npos) {
     return failure(programs.python, args, run, "the PyTorch FSDP2 script failed");
   }

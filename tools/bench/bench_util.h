@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -25,6 +26,16 @@ struct RunResult {
 // ("NAME=value" entries, replacing variables of the same name).
 RunResult run_program(const std::string& program, const std::vector<std::string>& args,
                       const std::vector<std::string>& extra_env = {});
+
+// Runs fsdp2_bench.py (PyTorch FSDP2) with `args` and, when it fails (an exit
+// code other than 0, or no "RESULT " line), once more, saying so on stderr
+// with the end of the failed run's output. A rank of that script was seen to
+// die of SIGABRT in CI runs, with and without the malloc counter, with no
+// message (cause not found): one retry keeps the row, the notice keeps the
+// evidence. `make_env` gives each attempt its environment (called once per
+// attempt, so each can have fresh scratch files); none when empty.
+RunResult run_pytorch_script(const std::string& python, const std::vector<std::string>& args,
+                             const std::function<std::vector<std::string>()>& make_env = {});
 
 // The number after `"key":` in `text` (the first occurrence), if any.
 std::optional<double> json_number(const std::string& text, const std::string& key);

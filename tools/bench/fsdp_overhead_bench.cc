@@ -171,7 +171,7 @@ int main(int argc, char** argv) {
                                             "--rows",         std::to_string(s.rows),
                                             "--steps",        std::to_string(s.steps),
                                             "--warmup-steps", std::to_string(s.warmup)};
-  const bench::RunResult py = bench::run_program(programs.python, py_args);
+  const bench::RunResult py = bench::run_pytorch_script(programs.python, py_args);
   const size_t at = py.output.rfind("RESULT ");
   if (ours_sharded <= 0 || py.exit_code != 0 || at == std::string::npos) {
     std::fprintf(stderr, "fsdp_overhead_bench: no figures (ours: '%s'; PyTorch exit code %d):\n%s\n", ours.c_str(),
