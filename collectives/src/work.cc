@@ -65,7 +65,9 @@ void Work::wait(std::chrono::milliseconds timeout) {
   if (finish_) finish_();
 }
 
-bool Work::is_completed() const { return !work_ || work_->isCompleted(); }
+// A c10d work can report itself incomplete after its wait() returned (Gloo's
+// reduce-scatter at one rank does), so a successful wait() counts as done.
+bool Work::is_completed() const { return !work_ || waited_ || work_->isCompleted(); }
 
 std::exception_ptr Work::exception() const {
   if (!work_ || !work_->isCompleted()) return nullptr;

@@ -112,27 +112,65 @@ inline void check_all_gather(Communicator& comm, c10::Device device) {
   }
 }
 
-// Rank r gets the reduction of every rank's input[r*7 : (r+1)*7], for every
-// op; also in place (output is input's own slice).
+// Rank r gets the reduction of every rank's input[r*n : (r+1)*n], for every
+// op and for chunks of 7, 1 and 0 elements; also in place (output is input's
+// own slice).
 inline void check_reduce_scatter(Communicator& comm, c10::Device device) {
   const int size = comm.size();
   const int rank = comm.rank();
-  constexpr int64_t kChunk = 7;
   for (const DtypeOps& d : dtype_ops()) {
     for (const ReduceOp& op : d.ops) {
-      const std::string what = label(comm, d.dtype, "reduce_scatter_tensor(" + op.to_string() + ")");
-      const at::Tensor expected = expected_reduction(size, rank * kChunk, kChunk, d.dtype, op);
+      for (int64_t n : {7, 1, 0}) {
+        const std::string what =
+            label(comm, d.dtype, "reduce_scatter_tensor(" + op.to_string() + ") n=" + std::to_string(n));
+        const at::Tensor expected = expected_reduction(size, rank * n, n, d.dtype, op);
 
+        at::Tensor input = rank_input(rank, size * n, d.dtype, device);
+        at::Tensor output = at::full({n}, -1, at::TensorOptions().dtype(d.dtype).device(device));
+        comm.reduce_scatter_tensor(output, input, op).wait();
+        expect_reduced(output, expected, d.dtype, op, what);
+
+        at::Tensor in_place = rank_input(rank, size * n, d.dtype, device);
+        at::Tensor slice = in_place.narrow(0, rank * n, n);
+        comm.reduce_scatter_tensor(slice, in_place, op).wait();
+        expect_reduced(slice, expected, d.dtype, op, what + " (in place)");
+      }
+    }
+  }
+}
+
+// Several reduce-scatters in flight at once, waited for in reverse order of
+// issue, each waited for twice; the inputs are overwritten right after the
+// waits (nothing may still read them) and a second wait must not reduce or
+// scale again.
+inline void check_reduce_scatters_in_flight(Communicator& comm, c10::Device device) {
+  const int size = comm.size();
+  const int rank = comm.rank();
+  constexpr int64_t kChunk = 5;
+  struct Pending {
+    Work work;
+    at::Tensor input;
+    at::Tensor output;
+    at::ScalarType dtype;
+    ReduceOp op;
+  };
+  std::vector<Pending> pending;
+  for (const DtypeOps& d : dtype_ops()) {
+    for (const ReduceOp& op : d.ops) {
       at::Tensor input = rank_input(rank, size * kChunk, d.dtype, device);
       at::Tensor output = at::full({kChunk}, -1, at::TensorOptions().dtype(d.dtype).device(device));
-      comm.reduce_scatter_tensor(output, input, op).wait();
-      expect_reduced(output, expected, d.dtype, op, what);
-
-      at::Tensor in_place = rank_input(rank, size * kChunk, d.dtype, device);
-      at::Tensor slice = in_place.narrow(0, rank * kChunk, kChunk);
-      comm.reduce_scatter_tensor(slice, in_place, op).wait();
-      expect_reduced(slice, expected, d.dtype, op, what + " (in place)");
+      Work work = comm.reduce_scatter_tensor(output, input, op);
+      pending.push_back(Pending{std::move(work), input, output, d.dtype, op});
     }
+  }
+  for (auto it = pending.rbegin(); it != pending.rend(); ++it) {
+    const std::string what = label(comm, it->dtype, "reduce_scatter_tensor(" + it->op.to_string() + ") in flight");
+    it->work.wait();
+    it->input.fill_(-7);
+    it->work.wait();
+    EXPECT_TRUE(it->work.is_completed()) << what;
+    expect_reduced(it->output, expected_reduction(size, rank * kChunk, kChunk, it->dtype, it->op), it->dtype, it->op,
+                   what);
   }
 }
 

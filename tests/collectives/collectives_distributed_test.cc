@@ -52,6 +52,12 @@ TEST_P(CollectivesTest, ReduceScatterTensorReducesEachRanksSlice) {
       GetParam(), [](RankContext& ctx) { testing::check_reduce_scatter(*ctx.world_group(), ctx.device()); });
 }
 
+TEST_P(CollectivesTest, ReduceScattersInFlightAtOnceEachReduceOnce) {
+  fsdp::testing::run_distributed(GetParam(), [](RankContext& ctx) {
+    testing::check_reduce_scatters_in_flight(*ctx.world_group(), ctx.device());
+  });
+}
+
 TEST_P(CollectivesTest, AllReduceReducesEveryElement) {
   fsdp::testing::run_distributed(GetParam(),
                                  [](RankContext& ctx) { testing::check_all_reduce(*ctx.world_group(), ctx.device()); });

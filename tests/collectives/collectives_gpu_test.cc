@@ -20,6 +20,7 @@ void check_everything(RankContext& ctx) {
   EXPECT_EQ(comm.device_type(), c10::kCUDA);
   testing::check_all_gather(comm, ctx.device());
   testing::check_reduce_scatter(comm, ctx.device());
+  testing::check_reduce_scatters_in_flight(comm, ctx.device());
   testing::check_all_reduce(comm, ctx.device());
   testing::check_broadcast(comm, ctx.device());
   testing::check_coalesced(comm, ctx.device());
