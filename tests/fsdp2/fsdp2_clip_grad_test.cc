@@ -58,6 +58,13 @@ class CountingBackend : public c10d::Backend {
     ++others;
     return inner_->_reduce_scatter_base(out, in, opts);
   }
+  // The Communicator's reduce-scatter on Gloo (see communicator.cc).
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& out, at::Tensor& in, std::vector<int64_t>& out_splits,
+                                               std::vector<int64_t>& in_splits,
+                                               const c10d::AllToAllOptions& opts) override {
+    ++others;
+    return inner_->alltoall_base(out, in, out_splits, in_splits, opts);
+  }
   c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outs,
                                                                  std::vector<at::Tensor>& ins,
                                                                  const c10d::ReduceScatterOptions& opts) override {

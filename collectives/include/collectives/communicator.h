@@ -89,6 +89,9 @@ class Communicator {
 
   // REQUIRES: input.numel() == size() * output.numel(); both contiguous, same
   // dtype, on device_type().
+  // Gloo on CPU (size() > 1): the chunks are exchanged with one all-to-all and
+  // reduced in wait(), on the waiting thread ([Note: Gloo reduce-scatter] in
+  // communicator.cc); the input is not read after wait() returns.
   Work reduce_scatter_tensor(const at::Tensor& output, const at::Tensor& input, ReduceOp op);
 
   // In place on `tensor`.
@@ -102,7 +105,8 @@ class Communicator {
 
   // Several all-gathers (or reduce-scatters) as one call, each pair obeying
   // the single-tensor conventions (pairs may differ in size and dtype). NCCL
-  // runs them as one coalesced group; Gloo issues them back to back. One Work
+  // runs them as one coalesced group; Gloo issues them back to back (and
+  // reduces each reduce-scatter's chunks in wait(), as above). One Work
   // covers all of them; empty lists give an already-completed Work.
   Work all_gather_into_tensor_coalesced(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs);
   Work reduce_scatter_tensor_coalesced(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs,
