@@ -156,10 +156,7 @@ FSDPParamGroup::FSDPParamGroup(std::vector<at::Tensor> params, std::vector<std::
 void FSDPParamGroup::lazy_init(FSDPCommContext* comm_ctx, std::string module_fqn) {
   comm_ctx_ = comm_ctx;
   module_fqn_ = std::move(module_fqn);
-}
-
-std::string FSDPParamGroup::with_fqn(const char* label) const {
-  return module_fqn_.empty() ? std::string(label) : std::string(label) + " (" + module_fqn_ + ")";
+  phase_labels_ = PhaseLabels(module_fqn_);
 }
 
 void FSDPParamGroup::unshard(bool async_op) {
@@ -167,7 +164,7 @@ void FSDPParamGroup::unshard(bool async_op) {
   if (!settings_.unshard_in_backward && training_state_ == TrainingState::kPreBackward) return;
   TORCH_CHECK(comm_ctx_ != nullptr, "fsdp2: module '", module_fqn_,
               "' is unsharded before its root's first forward; run a forward through the root module first");
-  PhaseScope phase(with_fqn("FSDP::all_gather"));
+  PhaseScope phase(phase_labels_[Phase::kAllGather]);
   if (fast_path_) {
     // Nothing to gather: an already-completed all-gather, after which
     // wait_for_unshard switches the parameters to their unsharded views.
@@ -206,7 +203,7 @@ void FSDPParamGroup::unshard(bool async_op) {
   at::Tensor input;
   {
     OptionalStreamGuard guard(copy_in_stream);
-    PhaseScope phase(with_fqn("FSDP::all_gather_copy_in"));
+    PhaseScope phase(phase_labels_[Phase::kAllGatherCopyIn]);
     // No wait for the last forward copy-out here: see [Note: all-gather
     // output lifetime].
     output = at::empty({world * padded_total_}, options);
@@ -275,7 +272,7 @@ void FSDPParamGroup::wait_for_unshard() {
   // lifetime]).
   if (training_state_ == TrainingState::kForward) comm_ctx_->release_all_gather_state();
   {
-    PhaseScope phase(with_fqn("FSDP::all_gather_wait"));
+    PhaseScope phase(phase_labels_[Phase::kAllGatherWait]);
     OptionalStreamGuard guard(result.all_gather_stream);
     const auto start = std::chrono::steady_clock::now();
     result.work.wait();
@@ -285,7 +282,7 @@ void FSDPParamGroup::wait_for_unshard() {
   const std::optional<c10::Stream> current = streams.current_stream();
   DeviceEvent::record(result.all_gather_stream).block(current);
   {
-    PhaseScope phase(with_fqn("FSDP::all_gather_copy_out"));
+    PhaseScope phase(phase_labels_[Phase::kAllGatherCopyOut]);
     c10::NoGradGuard no_grad;
     const at::Tensor gathered = result.output.view({shard_comm_->size(), padded_total_});
     if (chunk_cat_) {
@@ -397,7 +394,7 @@ void FSDPParamGroup::to_unsharded() {
 }
 
 void FSDPParamGroup::pre_forward(TensorRefs& inputs) {
-  PhaseScope phase(with_fqn("FSDP::pre_forward"));
+  PhaseScope phase(phase_labels_[Phase::kPreForward]);
   training_state_ = TrainingState::kForward;
   unshard(/*async_op=*/false);
   wait_for_unshard();
@@ -405,7 +402,7 @@ void FSDPParamGroup::pre_forward(TensorRefs& inputs) {
 }
 
 void FSDPParamGroup::post_forward() {
-  PhaseScope phase(with_fqn("FSDP::post_forward"));
+  PhaseScope phase(phase_labels_[Phase::kPostForward]);
   reshard();
   post_forward_indices_.push_back(comm_ctx_->post_forward_order.size());
   comm_ctx_->post_forward_order.push_back(this);
@@ -430,7 +427,7 @@ void FSDPParamGroup::register_post_backward(TensorRefs& inputs) {
 
 void FSDPParamGroup::pre_backward(bool default_prefetch) {
   if (training_state_ == TrainingState::kPreBackward) return;
-  PhaseScope phase(with_fqn("FSDP::pre_backward"));
+  PhaseScope phase(phase_labels_[Phase::kPreBackward]);
   training_state_ = TrainingState::kPreBackward;
   if (!settings_.unshard_in_backward && !is_unsharded()) {
     // Autograd may still produce full gradients for these parameters (an
@@ -449,7 +446,7 @@ void FSDPParamGroup::backward_prefetch() {
   post_forward_indices_.pop_back();
   if (index == 0) return;
   FSDPParamGroup* target = comm_ctx_->post_forward_order[index - 1];
-  PhaseScope phase("FSDP::backward_prefetch for " + target->module_fqn_);
+  PhaseScope phase(target->phase_labels_[Phase::kBackwardPrefetch]);
   const TrainingState saved = target->training_state_;
   target->training_state_ = TrainingState::kPreBackward;
   target->unshard(/*async_op=*/false);
@@ -462,7 +459,7 @@ ReduceOps FSDPParamGroup::reduce_ops() const {
 }
 
 void FSDPParamGroup::post_backward() {
-  PhaseScope phase(with_fqn("FSDP::post_backward"));
+  PhaseScope phase(phase_labels_[Phase::kPostBackward]);
   training_state_ = TrainingState::kPostBackward;
   std::vector<FSDPParam*> params_with_grad;
   std::vector<at::Tensor> grads;
@@ -503,7 +500,7 @@ void FSDPParamGroup::post_backward() {
   // its sharded parameters (their .grad, if any, is sharded already).
   if (grads.empty()) return;
 
-  PhaseScope reduce_phase(with_fqn("FSDP::post_backward_reduce"));
+  PhaseScope reduce_phase(phase_labels_[Phase::kPostBackwardReduce]);
   // See [Note: bounded reductions].
   comm_ctx_->wait_for_last_reduce_scatter();
   wait_for_post_backward();
@@ -518,7 +515,7 @@ void FSDPParamGroup::post_backward() {
   for (FSDPParam* p : params_with_grad) total += p->padded_shard_numel();
   at::Tensor input = at::empty({world, total}, grads.front().options().dtype(reduce_dtype_));
   {
-    PhaseScope copy_in(with_fqn("FSDP::reduce_scatter_copy_in"));
+    PhaseScope copy_in(phase_labels_[Phase::kReduceScatterCopyIn]);
     c10::NoGradGuard no_grad;
     std::vector<at::Tensor> grads_2d;
     grads_2d.reserve(grads.size());
@@ -549,10 +546,10 @@ void FSDPParamGroup::post_backward() {
   {
     OptionalStreamGuard guard(rs_stream);
     output = at::empty({total}, input.options());
-    FSDP2CPP_LOG_DEBUG(with_fqn("FSDP::reduce_scatter") + " op " +
+    FSDP2CPP_LOG_DEBUG(phase_labels_[Phase::kReduceScatter] + " op " +
                        describe_reduce(ops.reduce_scatter, shard_comm_->backend_kind(), world) + " in " +
                        c10::toString(reduce_dtype_) + ", " + std::to_string(total) + " elements per rank");
-    PhaseScope rs_phase(with_fqn("FSDP::reduce_scatter"));
+    PhaseScope rs_phase(phase_labels_[Phase::kReduceScatter]);
     work = shard_comm_->reduce_scatter_tensor(output, input.view({-1}), ops.reduce_scatter);
   }
   comm_ctx_->stats.reduce_scatters += 1;
@@ -645,7 +642,7 @@ void FSDPParamGroup::wait_for_post_backward() {
       pending.output.add_(partial_reduce_output_);
       partial_reduce_output_ = at::Tensor();
     }
-    PhaseScope phase(with_fqn("FSDP::all_reduce"));
+    PhaseScope phase(phase_labels_[Phase::kAllReduce]);
     const std::optional<c10::Stream> ar_stream = comm_ctx_->streams.all_reduce();
     StreamSet::wait_stream(ar_stream, pending.stream);
     StreamSet::record_stream(pending.output, ar_stream);
@@ -666,7 +663,7 @@ void FSDPParamGroup::wait_for_post_backward() {
     StreamSet::wait_stream(hook_stream, pending.stream);
     StreamSet::record_stream(pending.output, hook_stream);
     OptionalStreamGuard hook_guard(hook_stream);
-    PhaseScope phase(with_fqn("FSDP::all_reduce_hook"));
+    PhaseScope phase(phase_labels_[Phase::kAllReduceHook]);
     settings_.reduced_grad_hook(pending.output);
     pending.stream = hook_stream;
   }

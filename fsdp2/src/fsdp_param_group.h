@@ -17,6 +17,7 @@
 #include "fsdp2/fully_shard.h"
 #include "fsdp2/module_call.h"
 #include "fsdp_param.h"
+#include "phase_labels.h"
 #include "streams.h"
 
 namespace fsdp::detail {
@@ -214,7 +215,8 @@ class FSDPParamGroup {
   void wait_for_post_backward();
 
   int64_t unsharded_storage_bytes() const;
-  std::string with_fqn(const char* label) const;
+  // This group's label for `phase` (see phase.h).
+  const std::string& phase_label(Phase phase) const { return phase_labels_[phase]; }
   // See [Note: world size 1 fast path].
   bool fast_path() const { return fast_path_; }
 
@@ -244,6 +246,7 @@ class FSDPParamGroup {
   std::vector<int64_t> padded_numels_;
   int64_t padded_total_ = 0;
   std::string module_fqn_;
+  PhaseLabels phase_labels_;
   bool fast_path_ = false;  // see [Note: world size 1 fast path]
   bool chunk_cat_ = false;  // some parameter's chunk_cat() (see [Note: shard dim])
   FSDPCommContext* comm_ctx_ = nullptr;

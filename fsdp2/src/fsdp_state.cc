@@ -399,8 +399,7 @@ void FSDPState::pre_backward() {
 
 bool FSDPState::prefetch_unshard(FSDPParamGroup* target, TrainingState state) {
   PhaseScope phase(
-      std::string(state == TrainingState::kForward ? "FSDP::forward_prefetch" : "FSDP::backward_prefetch") + " for " +
-      target->module_fqn());
+      target->phase_label(state == TrainingState::kForward ? Phase::kForwardPrefetch : Phase::kBackwardPrefetch));
   const bool idle = !target->is_unsharded() && !target->has_pending_all_gather();
   const TrainingState saved = target->training_state();
   target->set_training_state(state);

@@ -10,9 +10,9 @@
 
 namespace fsdp::detail {
 
-NvtxRange::NvtxRange(const std::string& name) {
+NvtxRange::NvtxRange(const char* name) {
 #if FSDP2CPP_WITH_CUDA
-  nvtxRangePushA(name.c_str());
+  nvtxRangePushA(name);
   pushed_ = true;
 #else
   (void)name;

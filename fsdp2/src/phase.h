@@ -11,12 +11,13 @@
 #include <ATen/record_function.h>
 
 #include "fsdp_common/logging.h"
+#include "phase_labels.h"
 
 namespace fsdp::detail {
 
 class NvtxRange {
  public:
-  explicit NvtxRange(const std::string& name);
+  explicit NvtxRange(const char* name);
   ~NvtxRange();
   NvtxRange(const NvtxRange&) = delete;
   NvtxRange& operator=(const NvtxRange&) = delete;
@@ -25,20 +26,24 @@ class NvtxRange {
   bool pushed_ = false;
 };
 
+// Labels the scope it lives in. `name` must outlive the scope (a literal or
+// a PhaseLabels entry, phase_labels.h): a temporary string does not compile.
 class PhaseScope {
  public:
-  explicit PhaseScope(std::string name) : name_(std::move(name)), nvtx_(name_) {
+  explicit PhaseScope(const char* name) : name_(name), nvtx_(name) {
     FSDP2CPP_LOG_DEBUG(name_);
     if (at::hasCallbacks()) {
       record_.emplace(at::RecordScope::USER_SCOPE);
       if (record_->isActive()) record_->before(name_);
     }
   }
+  explicit PhaseScope(const std::string& name) : PhaseScope(name.c_str()) {}
+  explicit PhaseScope(std::string&&) = delete;
   PhaseScope(const PhaseScope&) = delete;
   PhaseScope& operator=(const PhaseScope&) = delete;
 
  private:
-  std::string name_;
+  const char* name_;
   NvtxRange nvtx_;
   std::optional<at::RecordFunction> record_;
 };
