@@ -228,8 +228,9 @@ void FSDPParamGroup::unshard(bool async_op) {
             sources.push_back(p->padded_shard().to(device_, /*non_blocking=*/true));
             continue;
           }
-          // Mixed precision: the shard is cast to param_dtype on the way in.
-          sources.push_back(p->orig_dtype() == param_dtype_ ? p->padded_shard() : p->padded_shard().to(param_dtype_));
+          // Mixed precision: _foreach_copy_ casts the shard to param_dtype as
+          // it copies it in (no cast copy first).
+          sources.push_back(p->padded_shard());
         }
         std::vector<at::Tensor> dests = input.split_with_sizes(padded_numels_);
         if (offload_to_cpu_) {
@@ -520,18 +521,18 @@ void FSDPParamGroup::post_backward() {
     std::vector<at::Tensor> grads_2d;
     grads_2d.reserve(grads.size());
     for (size_t i = 0; i < grads.size(); ++i) {
-      at::Tensor& g = grads[i];
+      const at::Tensor& g = grads[i];
       const int64_t rows = g.dim() == 0 ? 1 : g.size(0);
-      at::Tensor cast = g.scalar_type() == reduce_dtype_ ? std::move(g) : g.to(reduce_dtype_);
-      g = at::Tensor();
       if (params_with_grad[i]->chunk_cat()) {
         // [Note: shard dim] Already one padded row per rank, which
         // _chunk_cat keeps as is.
-        grads_2d.push_back(params_with_grad[i]->padded_chunks(cast, 0, world));
+        grads_2d.push_back(params_with_grad[i]->padded_chunks(g, 0, world));
         continue;
       }
-      grads_2d.push_back(cast.reshape({rows, rows == 0 ? 0 : cast.numel() / rows}));
+      grads_2d.push_back(g.reshape({rows, rows == 0 ? 0 : g.numel() / rows}));
     }
+    // Mixed precision: _chunk_cat casts each gradient to reduce_dtype as it
+    // copies it in (as in FSDP2's foreach_reduce), with no cast copy first.
     at::_chunk_cat_out(input, grads_2d, /*dim=*/0, /*num_chunks=*/world);
     // Only the copy-in reads the gradients: they are freed here, on the
     // stream that made them.
