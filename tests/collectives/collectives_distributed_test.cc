@@ -53,9 +53,8 @@ TEST_P(CollectivesTest, ReduceScatterTensorReducesEachRanksSlice) {
 }
 
 TEST_P(CollectivesTest, ReduceScattersInFlightAtOnceEachReduceOnce) {
-  fsdp::testing::run_distributed(GetParam(), [](RankContext& ctx) {
-    testing::check_reduce_scatters_in_flight(*ctx.world_group(), ctx.device());
-  });
+  fsdp::testing::run_distributed(
+      GetParam(), [](RankContext& ctx) { testing::check_reduce_scatters_in_flight(*ctx.world_group(), ctx.device()); });
 }
 
 TEST_P(CollectivesTest, AllReduceReducesEveryElement) {
