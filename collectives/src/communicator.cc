@@ -65,8 +65,8 @@ std::function<void()> finish_step(const ReduceOp& op, bool native, int group_siz
 // it was meant to overlap, and the peers wait for it afterwards. Yielding
 // the issuing thread's core right after the issue lets the worker go first;
 // where a core is free the yield returns at once. On the trainer's 16-block
-// model at 2 ranks on 2 cores it shortened the step by 10-25%
-// (docs/benchmarks.md). NCCL enqueues on a stream and needs no such help.
+// model at 2 ranks on 2 cores it shortened the step by 7-26% in five
+// before/after pairs (docs/benchmarks.md). NCCL enqueues on a stream and needs no such help.
 
 // Calls into the engine; errors it raises while enqueueing (an unsupported
 // dtype, say) are rethrown naming the collective.
