@@ -215,7 +215,7 @@ class FSDPParamGroup {
   void wait_for_post_backward();
 
   int64_t unsharded_storage_bytes() const;
-  // This group's label for `phase` (see phase.h).
+  // This group's label for `phase` (see phase_labels.h).
   const std::string& phase_label(Phase phase) const { return phase_labels_[phase]; }
   // See [Note: world size 1 fast path].
   bool fast_path() const { return fast_path_; }
