@@ -179,6 +179,45 @@ TEST(BenchSmoke, SpeedBenchPrintsAllThreeSystemsPerWorldSize) {
   }
 }
 
+// The fields of `line` from `first` on as numbers (non-numbers as NaN).
+std::vector<double> numbers_from(const std::string& line, size_t first) {
+  std::istringstream in(line);
+  std::vector<double> out;
+  size_t i = 0;
+  for (std::string f; in >> f; ++i) {
+    if (i < first) continue;
+    char* end = nullptr;
+    const double v = std::strtod(f.c_str(), &end);
+    out.push_back(end != f.c_str() && *end == '\0' ? v : std::nan(""));
+  }
+  return out;
+}
+
+// --repeats: each ratio is the median of the per-repeat ones, so it lies
+// within their printed range.
+TEST(BenchSmoke, SpeedBenchRepeatsReportRatiosWithTheirRange) {
+  const RunResult run =
+      run_program(FSDP_SPEED_BENCH, {"--quick", "--cpu-only", "--world-sizes", "1", "--repeats", "3"});
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_NE(run.output.find("3 repeats per row in rotating order"), std::string::npos) << run.output;
+  const auto rows = lines_starting_with(run.output, "cpu ");
+  ASSERT_EQ(rows.size(), 1u) << run.output;
+  expect_positive_numbers(rows[0], 9);
+  // ws, (a), (b), (c), then b/a lo hi, b/c lo hi, then three MiB.
+  const std::vector<double> v = numbers_from(rows[0], 9);
+  ASSERT_EQ(v.size(), 13u) << rows[0];
+  for (size_t ratio : {4u, 7u}) {
+    EXPECT_LE(v[ratio + 1], v[ratio]) << "lo above the median in: " << rows[0];
+    EXPECT_LE(v[ratio], v[ratio + 2]) << "hi below the median in: " << rows[0];
+  }
+}
+
+TEST(BenchSmoke, SpeedBenchRejectsZeroRepeats) {
+  const RunResult run = run_program(FSDP_SPEED_BENCH, {"--quick", "--cpu-only", "--repeats", "0"});
+  EXPECT_EQ(run.exit_code, 2) << run.output;
+  EXPECT_NE(run.output.find("--repeats takes a count of 1 or more (got 0)"), std::string::npos) << run.output;
+}
+
 // A PyTorch side that dies of SIGABRT once (as fsdp2_bench.py's ranks were
 // seen to in CI) costs a retry, announced with the failed run's output, not
 // the row.

@@ -9,8 +9,16 @@
 // (global batch / N) on one rank: the compute one rank of (b) does, without
 // sharding, so b/a is what sharding costs.
 //
+// --repeats R runs each row's three systems R times, in rotating order
+// (abc, bca, cab, ...), and reports the median over the repeats of each
+// system's median and of the per-repeat ratios, with the ratios' range (lo,
+// hi). One process's step time moves by a few percent with its heap and
+// address-space layout and with the machine's load, more than the 2% a
+// ratio is judged by; repeats measure that spread instead of hiding it.
+//
 //   fsdp_speed_bench              about two minutes: 8 steps per run (2 untimed)
 //   fsdp_speed_bench --steps 40   longer runs, steadier medians
+//   fsdp_speed_bench --steps 40 --repeats 9 --world-sizes 1   ratios to judge a 2% goal by
 //   fsdp_speed_bench --quick      a seconds-long smoke run (tiny model)
 //   fsdp_speed_bench --models host --world-sizes 2   one row
 #include <algorithm>
@@ -28,6 +36,7 @@
 
 ABSL_FLAG(int, steps, 8, "steps per run, including the untimed warm-up steps");
 ABSL_FLAG(int, warmup_steps, 2, "untimed first steps of each run");
+ABSL_FLAG(int, repeats, 1, "runs of each system per row, interleaved; ratios are the median of the per-repeat ones");
 ABSL_FLAG(std::string, world_sizes, "1,2", "comma-separated world sizes");
 ABSL_FLAG(std::string, models, "host,compute",
           "comma-separated: host (16 blocks of dim 64, host overhead dominates), compute (4 blocks of dim 256)");
@@ -53,6 +62,20 @@ bench::TrainShape make_shape(int64_t layers, int64_t dim, int64_t seq_len, int64
   s.global_batch = batch;
   s.clip = 0;
   return s;
+}
+
+// The figures of one table row over its repeats.
+struct RowFigures {
+  std::vector<double> a_s, b_s, c_s;       // per-repeat median step times
+  std::vector<double> b_over_a, b_over_c;  // per-repeat ratios
+  std::vector<double> a_bytes, b_bytes, c_bytes;
+};
+
+std::string ratio_cells(const std::vector<double>& ratios) {
+  char text[64];
+  std::snprintf(text, sizeof(text), "%6.2f %5.2f %5.2f", bench::median(ratios),
+                *std::min_element(ratios.begin(), ratios.end()), *std::max_element(ratios.begin(), ratios.end()));
+  return text;
 }
 
 }  // namespace
@@ -87,6 +110,11 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "fsdp_speed_bench: need a world size and --steps > --warmup-steps >= 0\n");
     return 2;
   }
+  const int repeats = absl::GetFlag(FLAGS_repeats);
+  if (repeats < 1) {
+    std::fprintf(stderr, "fsdp_speed_bench: --repeats takes a count of 1 or more (got %d)\n", repeats);
+    return 2;
+  }
   std::vector<Model> models;
   if (quick) models.push_back({"2 blocks, dim 32, seq 16, batch 8", make_shape(2, 32, 16, 8)});
   for (const auto& part : absl::StrSplit(absl::GetFlag(FLAGS_models), ',', absl::SkipEmpty())) {
@@ -116,8 +144,14 @@ int main(int argc, char** argv) {
       "fsdp_speed_bench: median step time over steps %d..%d (slowest rank), 1 intra-op thread per rank, fp32, "
       "AdamW, no clipping%s\n",
       options.warmup_steps + 1, options.steps, quick ? " (--quick: measures nothing)" : "");
-  std::printf("%-6s %-36s %3s %10s %10s %10s %6s %6s %8s %8s %8s\n", "device", "model", "ws", "(a) ms", "(b) ms",
-              "(c) ms", "b/a", "b/c", "a MiB", "b MiB", "c MiB");
+  if (repeats > 1) {
+    std::printf(
+        "%d repeats per row in rotating order: medians over the repeats; lo and hi: the range of the per-repeat "
+        "ratios\n",
+        repeats);
+  }
+  std::printf("%-6s %-36s %3s %10s %10s %10s %6s %5s %5s %6s %5s %5s %8s %8s %8s\n", "device", "model", "ws", "(a) ms",
+              "(b) ms", "(c) ms", "b/a", "lo", "hi", "b/c", "lo", "hi", "a MiB", "b MiB", "c MiB");
   for (const std::string& device : devices) {
     options.device = device;
     for (const Model& model : models) {
@@ -129,20 +163,33 @@ int main(int argc, char** argv) {
         unsharded.no_shard = true;
         bench::RunOptions sharded = options;
         sharded.nproc = n;
-        const bench::Measured a = bench::run_fsdp_train(programs, per_rank, unsharded);
-        const bench::Measured b = bench::run_fsdp_train(programs, model.shape, sharded);
-        const bench::Measured c = bench::run_pytorch_fsdp2(programs, model.shape, sharded);
-        for (const bench::Measured* m : {&a, &b, &c}) {
-          if (!m->ok) {
-            std::fprintf(stderr, "fsdp_speed_bench: %s\n", m->error.c_str());
-            return 1;
+        RowFigures row;
+        for (int r = 0; r < repeats; ++r) {
+          bench::Measured m[3];
+          for (int k = 0; k < 3; ++k) {
+            const int system = (r + k) % 3;
+            m[system] = system == 0   ? bench::run_fsdp_train(programs, per_rank, unsharded)
+                        : system == 1 ? bench::run_fsdp_train(programs, model.shape, sharded)
+                                      : bench::run_pytorch_fsdp2(programs, model.shape, sharded);
+            if (!m[system].ok) {
+              std::fprintf(stderr, "fsdp_speed_bench: %s\n", m[system].error.c_str());
+              return 1;
+            }
           }
+          row.a_s.push_back(m[0].median_step_s);
+          row.b_s.push_back(m[1].median_step_s);
+          row.c_s.push_back(m[2].median_step_s);
+          row.b_over_a.push_back(m[1].median_step_s / m[0].median_step_s);
+          row.b_over_c.push_back(m[1].median_step_s / m[2].median_step_s);
+          row.a_bytes.push_back(m[0].peak_bytes);
+          row.b_bytes.push_back(m[1].peak_bytes);
+          row.c_bytes.push_back(m[2].peak_bytes);
         }
-        std::printf("%-6s %-36s %3d %10.2f %10.2f %10.2f %6.2f %6.2f %8s %8s %8s\n", device.c_str(), model.name.c_str(),
-                    n, 1e3 * a.median_step_s, 1e3 * b.median_step_s, 1e3 * c.median_step_s,
-                    b.median_step_s / a.median_step_s, b.median_step_s / c.median_step_s,
-                    bench::mib(a.peak_bytes).c_str(), bench::mib(b.peak_bytes).c_str(),
-                    bench::mib(c.peak_bytes).c_str());
+        std::printf("%-6s %-36s %3d %10.2f %10.2f %10.2f %s %s %8s %8s %8s\n", device.c_str(), model.name.c_str(), n,
+                    1e3 * bench::median(row.a_s), 1e3 * bench::median(row.b_s), 1e3 * bench::median(row.c_s),
+                    ratio_cells(row.b_over_a).c_str(), ratio_cells(row.b_over_c).c_str(),
+                    bench::mib(bench::median(row.a_bytes)).c_str(), bench::mib(bench::median(row.b_bytes)).c_str(),
+                    bench::mib(bench::median(row.c_bytes)).c_str());
         std::fflush(stdout);
       }
     }
