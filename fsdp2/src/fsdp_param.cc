@@ -38,6 +38,20 @@ at::Tensor alias_storage(const at::Tensor& base, int64_t offset, c10::IntArrayRe
       .set_(base.storage(), base.storage_offset() + offset, sizes, c10::contiguous_strides(sizes));
 }
 
+bool same_view(const at::Tensor& a, const at::Tensor& b) {
+  return a.storage().unsafeGetStorageImpl() == b.storage().unsafeGetStorageImpl() &&
+         a.storage_offset() == b.storage_offset() && a.sizes() == b.sizes() && a.strides() == b.strides() &&
+         a.scalar_type() == b.scalar_type();
+}
+
+// Points `param` at `view`. On the world size 1 fast path the sharded and
+// unsharded views are the same view of the shard, and set_data (a dispatched
+// compatibility check and a metadata copy, per parameter four times a step)
+// would change nothing.
+void point_at(at::Tensor& param, const at::Tensor& view) {
+  if (!same_view(param, view)) param.set_data(view);
+}
+
 }  // namespace
 
 FSDPParam::FSDPParam(at::Tensor param, std::string fqn, int64_t shard_rank, int64_t shard_world_size,
@@ -148,7 +162,7 @@ void FSDPParam::to_unsharded() {
                         " is unsharded before its all-gather output exists");
   stash_sharded_grad();
   hide_post_accumulate_grad_hooks();
-  param_.set_data(unsharded_view_);
+  point_at(param_, unsharded_view_);
   state_ = ShardedState::kUnsharded;
 }
 
@@ -158,7 +172,7 @@ void FSDPParam::to_sharded() {
   TORCH_CHECK(!grad.defined(), "fsdp2: parameter '", fqn_,
               "' has a full gradient that was never reduced when it is resharded; this happens when reshard() "
               "is called between backward and the end of backward");
-  param_.set_data(sharded_view_);
+  point_at(param_, sharded_view_);
   free_unsharded_storage();
   restore_sharded_grad();
   state_ = ShardedState::kSharded;
@@ -270,13 +284,18 @@ void FSDPParam::accumulate_sharded_grad(const at::Tensor& reduced_padded_chunk) 
   TORCH_INTERNAL_ASSERT(reduced_padded_chunk.is_contiguous() && reduced_padded_chunk.numel() >= local_numel);
   c10::NoGradGuard no_grad;
   if (offload_to_cpu_ && !reduced_padded_chunk.is_cpu()) {
-    accumulate_offloaded_grad(reduced_padded_chunk.narrow(0, 0, local_numel).view(sharded_shape_));
+    accumulate_offloaded_grad(reduced_padded_chunk.view({-1}).narrow(0, 0, local_numel).view(sharded_shape_));
     return;
   }
   at::Tensor reduced = reduced_padded_chunk.scalar_type() == orig_dtype()
                            ? reduced_padded_chunk
-                           : reduced_padded_chunk.narrow(0, 0, local_numel).to(orig_dtype());
-  reduced = alias_storage(reduced, 0, sharded_shape_);
+                           : reduced_padded_chunk.view({-1}).narrow(0, 0, local_numel).to(orig_dtype());
+  // A tensor of its own in the sharded shape (autograd's gradient on the
+  // world size 1 fast path) is kept as it is; a chunk of a larger buffer is
+  // aliased (see alias_storage).
+  if (reduced.is_view() || reduced.sizes() != c10::IntArrayRef(sharded_shape_)) {
+    reduced = alias_storage(reduced, 0, sharded_shape_);
+  }
   // The sharded gradient lives on P while sharded, aside while unsharded.
   at::Tensor& target = state_ == ShardedState::kSharded ? param_.mutable_grad() : sharded_grad_;
   if (target.defined()) {
@@ -306,16 +325,6 @@ void FSDPParam::accumulate_offloaded_grad(const at::Tensor& reduced) {
   }
   target = std::move(host);
 }
-
-namespace {
-
-bool same_view(const at::Tensor& a, const at::Tensor& b) {
-  return a.storage().unsafeGetStorageImpl() == b.storage().unsafeGetStorageImpl() &&
-         a.storage_offset() == b.storage_offset() && a.sizes() == b.sizes() && a.strides() == b.strides() &&
-         a.scalar_type() == b.scalar_type();
-}
-
-}  // namespace
 
 void FSDPParam::reset_sharded_param(bool adopt) {
   const bool sharded = state_ == ShardedState::kSharded;

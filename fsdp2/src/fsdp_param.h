@@ -27,11 +27,12 @@
 // shard has no padding and holds the whole parameter, so
 // share_shard_as_unsharded() makes the unsharded view a full-shape view of
 // the shard itself: no all-gather output buffer is ever allocated,
-// to_unsharded/to_sharded only switch P's view (no copy, no storage freed),
-// and the gradient autograd accumulates is already this rank's sharded
-// gradient. The gradient bookkeeping above is unchanged, so gradients,
-// accumulation and hooks behave exactly as on the all-gather path. One
-// difference shows: an in-place change to the unsharded parameter (under
+// to_unsharded/to_sharded leave P as it is (the sharded and unsharded views
+// are the same view; no copy, no storage freed, no set_data), and the
+// gradient autograd accumulates is already this rank's sharded gradient (it
+// becomes P's sharded .grad as it is, without an alias). The gradient
+// bookkeeping above is unchanged, so gradients, accumulation and hooks
+// behave exactly as on the all-gather path. One difference shows: an in-place change to the unsharded parameter (under
 // no_grad) writes the shard, where the all-gather path drops it at reshard.
 //
 // [Note: shard dim] A parameter may be sharded on a dim d other than 0
@@ -186,7 +187,9 @@ class FSDPParam {
   // until a backward that reduces.
   void accumulate_unsharded_grad(at::Tensor grad, c10::ScalarType reduce_dtype);
   // Adds a reduced gradient (this rank's padded chunk, padded_shard_numel()
-  // elements, any dtype) to the sharded gradient, in orig_dtype(). Offload:
+  // contiguous elements of any shape and dtype) to the sharded gradient, in
+  // orig_dtype(); a non-view tensor already in the sharded shape and dtype
+  // becomes the sharded gradient itself, any other is aliased. Offload:
   // the chunk is on the device and is copied to the host on the current
   // stream (see [Note: CPU offload]).
   void accumulate_sharded_grad(const at::Tensor& reduced_padded_chunk);

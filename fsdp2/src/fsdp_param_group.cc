@@ -607,7 +607,7 @@ void FSDPParamGroup::reduce_in_place(std::vector<FSDPParam*>& params, std::vecto
     if (!g.is_contiguous()) g = g.contiguous();
     scale(g);
     if (ops.post_divide != 1.0) g.div_(ops.post_divide);
-    params[i]->accumulate_sharded_grad(g.view({-1}));
+    params[i]->accumulate_sharded_grad(g);
   }
   // Optimizer-in-backward: the hooks see the sharded gradient, as in FSDP2.
   for (FSDPParam* p : params) p->run_post_accumulate_grad_hooks();
