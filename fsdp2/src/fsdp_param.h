@@ -32,8 +32,9 @@
 // gradient autograd accumulates is already this rank's sharded gradient (it
 // becomes P's sharded .grad as it is, without an alias). The gradient
 // bookkeeping above is unchanged, so gradients, accumulation and hooks
-// behave exactly as on the all-gather path. One difference shows: an in-place change to the unsharded parameter (under
-// no_grad) writes the shard, where the all-gather path drops it at reshard.
+// behave exactly as on the all-gather path. One difference shows: an
+// in-place change to the unsharded parameter (under no_grad) writes the
+// shard, where the all-gather path drops it at reshard.
 //
 // [Note: shard dim] A parameter may be sharded on a dim d other than 0
 // (FullyShardOptions::shard_placement_fn): rank r holds torch.chunk(P, world,

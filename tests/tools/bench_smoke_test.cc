@@ -63,18 +63,27 @@ std::vector<std::string> lines_starting_with(const std::string& output, const st
   return out;
 }
 
-// The whitespace-separated fields of `line` from index `first` on, as numbers;
-// each must parse completely and be finite and > 0.
-void expect_positive_numbers(const std::string& line, size_t first) {
+// The whitespace-separated fields of `line` from index `first` on, as numbers
+// (NaN for a field that does not parse completely).
+std::vector<double> numbers_from(const std::string& line, size_t first) {
   std::istringstream in(line);
-  std::vector<std::string> fields;
-  for (std::string f; in >> f;) fields.push_back(f);
-  ASSERT_GT(fields.size(), first) << line;
-  for (size_t i = first; i < fields.size(); ++i) {
+  std::vector<double> out;
+  size_t i = 0;
+  for (std::string f; in >> f; ++i) {
+    if (i < first) continue;
     char* end = nullptr;
-    const double v = std::strtod(fields[i].c_str(), &end);
-    EXPECT_TRUE(end != fields[i].c_str() && *end == '\0' && std::isfinite(v) && v > 0)
-        << "field " << i << " '" << fields[i] << "' of: " << line;
+    const double v = std::strtod(f.c_str(), &end);
+    out.push_back(end != f.c_str() && *end == '\0' ? v : std::nan(""));
+  }
+  return out;
+}
+
+// The fields of `line` from `first` on, each a finite number > 0.
+void expect_positive_numbers(const std::string& line, size_t first) {
+  const std::vector<double> values = numbers_from(line, first);
+  ASSERT_FALSE(values.empty()) << line;
+  for (size_t i = 0; i < values.size(); ++i) {
+    EXPECT_TRUE(std::isfinite(values[i]) && values[i] > 0) << "field " << first + i << " of: " << line;
   }
 }
 
@@ -177,20 +186,6 @@ TEST(BenchSmoke, SpeedBenchPrintsAllThreeSystemsPerWorldSize) {
     EXPECT_NE(rows[i].find(i == 0 ? "  1 " : "  2 "), std::string::npos) << rows[i];
     expect_positive_numbers(rows[i], 9);
   }
-}
-
-// The fields of `line` from `first` on as numbers (non-numbers as NaN).
-std::vector<double> numbers_from(const std::string& line, size_t first) {
-  std::istringstream in(line);
-  std::vector<double> out;
-  size_t i = 0;
-  for (std::string f; in >> f; ++i) {
-    if (i < first) continue;
-    char* end = nullptr;
-    const double v = std::strtod(f.c_str(), &end);
-    out.push_back(end != f.c_str() && *end == '\0' ? v : std::nan(""));
-  }
-  return out;
 }
 
 // --repeats: each ratio is the median of the per-repeat ones, so it lies
