@@ -1,0 +1,215 @@
+// The stream-order checker's model on hand-written stream programs: a correct
+// one reports nothing, and each missing edge (event, wait, record_stream, a
+// block freed too early) is reported with both accesses named.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+#include <c10/core/Event.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
+#include "stream_check/stream_check.h"
+
+namespace fsdp::stream_check {
+namespace {
+
+using ::testing::HasSubstr;
+
+// Makes `waiter` wait for everything enqueued on `stream` so far.
+void wait_stream(const c10::Stream& waiter, const c10::Stream& stream) {
+  c10::Event e(c10::kCPU);
+  e.record(stream);
+  e.block(waiter);
+}
+
+c10::Stream current_stream() {
+  const c10::impl::VirtualGuardImpl impl(c10::kCPU);
+  return impl.getStream(impl.getDevice());
+}
+
+TEST(StreamCheck, CorrectProgramReportsNothing) {
+  Checker checker;
+  const c10::Stream side = checker.new_stream("side");
+  const c10::Stream main = current_stream();
+  at::Tensor t = at::ones({8});
+  at::Tensor out;
+  wait_stream(side, main);
+  {
+    c10::StreamGuard guard(side);
+    t.mul_(3);
+    out = t + 1;  // allocated on side, read later on main
+  }
+  wait_stream(main, side);
+  EXPECT_EQ(out.sum().item<float>(), 32.0f);
+  t = at::Tensor();
+  out = at::Tensor();
+  EXPECT_TRUE(checker.reports().empty()) << checker.reports().front().message;
+}
+
+TEST(StreamCheck, MissingEventIsAReadAfterWrite) {
+  Checker checker;
+  const c10::Stream side = checker.new_stream("side");
+  at::Tensor t = at::ones({8});
+  name_buffer(t, "the test buffer");
+  {
+    PhaseLabel phase("FSDP::test_phase");
+    c10::StreamGuard guard(side);
+    at::Tensor u = t * 2;
+  }
+  const std::vector<Report> reports = checker.reports();
+  ASSERT_EQ(reports.size(), 1u);
+  const Report& r = reports.front();
+  EXPECT_EQ(r.kind, Report::Kind::kReadAfterWrite);
+  EXPECT_EQ(r.buffer, "the test buffer");
+  EXPECT_EQ(r.first_stream, "default (compute)");
+  EXPECT_EQ(r.second_stream, "side");
+  EXPECT_EQ(r.second_phase, "FSDP::test_phase");
+  EXPECT_EQ(r.first_op, "aten::ones");
+  EXPECT_EQ(r.second_op, "aten::mul");
+  EXPECT_THAT(r.message, HasSubstr("Missing edge: default (compute) -> side"));
+}
+
+TEST(StreamCheck, WriteAfterAnUnorderedReadIsReported) {
+  Checker checker;
+  const c10::Stream side = checker.new_stream("side");
+  at::Tensor t = at::ones({4});
+  wait_stream(side, current_stream());
+  {
+    c10::StreamGuard guard(side);
+    at::Tensor u = t + 1;  // reads t on side
+  }
+  t.zero_();  // overwrites it on the default stream without waiting for side
+  const std::vector<Report> reports = checker.reports();
+  ASSERT_EQ(reports.size(), 1u);
+  EXPECT_EQ(reports.front().kind, Report::Kind::kWriteAfterRead);
+  EXPECT_EQ(reports.front().first_stream, "side");
+  EXPECT_EQ(reports.front().second_op, "aten::zero_");
+}
+
+TEST(StreamCheck, BlockFreedTooEarlyIsReported) {
+  Checker checker;
+  const c10::Stream side = checker.new_stream("side");
+  at::Tensor t = at::ones({16});  // allocated on the default stream
+  wait_stream(side, current_stream());
+  {
+    c10::StreamGuard guard(side);
+    at::Tensor u = t.sum();
+  }
+  t = at::Tensor();  // freed while side may still read it
+  const std::vector<Report> reports = checker.reports();
+  ASSERT_EQ(reports.size(), 1u);
+  EXPECT_EQ(reports.front().kind, Report::Kind::kFreedInUse);
+  EXPECT_EQ(reports.front().first_stream, "side");
+  EXPECT_EQ(reports.front().second_stream, "default (compute)");
+  EXPECT_THAT(reports.front().message, HasSubstr("record_stream(side)"));
+}
+
+TEST(StreamCheck, RecordStreamCoversTheFree) {
+  Checker checker;
+  const c10::Stream side = checker.new_stream("side");
+  at::Tensor t = at::ones({16});
+  wait_stream(side, current_stream());
+  {
+    c10::StreamGuard guard(side);
+    at::Tensor u = t.sum();
+  }
+  c10::impl::VirtualGuardImpl(c10::kCPU).recordDataPtrOnStream(t.storage().data_ptr(), side);
+  t = at::Tensor();
+  EXPECT_TRUE(checker.reports().empty()) << checker.reports().front().message;
+}
+
+TEST(StreamCheck, WaitingBeforeTheFreeCoversIt) {
+  Checker checker;
+  const c10::Stream side = checker.new_stream("side");
+  at::Tensor t = at::ones({16});
+  wait_stream(side, current_stream());
+  {
+    c10::StreamGuard guard(side);
+    at::Tensor u = t.sum();
+  }
+  wait_stream(current_stream(), side);
+  t = at::Tensor();
+  EXPECT_TRUE(checker.reports().empty()) << checker.reports().front().message;
+}
+
+TEST(StreamCheck, HostSynchronizeOrdersEveryStream) {
+  Checker checker;
+  const c10::Stream side = checker.new_stream("side");
+  at::Tensor t = at::empty({4});
+  c10::Event done(c10::kCPU);
+  {
+    c10::StreamGuard guard(side);
+    t.fill_(2);
+    done.record(side);
+  }
+  done.synchronize();
+  EXPECT_EQ(t.sum().item<float>(), 8.0f);
+  EXPECT_TRUE(checker.reports().empty()) << checker.reports().front().message;
+}
+
+TEST(StreamCheck, DisjointSlicesOfOneBufferMayBeWrittenConcurrently) {
+  Checker checker;
+  const c10::Stream side = checker.new_stream("side");
+  at::Tensor t = at::empty({8});
+  wait_stream(side, current_stream());
+  t.narrow(0, 0, 4).fill_(1);
+  {
+    c10::StreamGuard guard(side);
+    t.narrow(0, 4, 4).fill_(2);
+  }
+  EXPECT_TRUE(checker.reports().empty()) << checker.reports().front().message;
+  {
+    c10::StreamGuard guard(side);
+    t.narrow(0, 2, 4).fill_(3);  // overlaps the default stream's half
+  }
+  ASSERT_EQ(checker.reports().size(), 1u);
+  EXPECT_EQ(checker.reports().front().kind, Report::Kind::kWriteAfterWrite);
+}
+
+TEST(StreamCheck, TheSameRaceIsReportedOnce) {
+  Checker checker;
+  const c10::Stream side = checker.new_stream("side");
+  at::Tensor t = at::ones({4});
+  for (int step = 0; step < 3; ++step) {
+    c10::StreamGuard guard(side);
+    at::Tensor u = t * 2;  // the same unordered read of the same write
+  }
+  ASSERT_EQ(checker.reports().size(), 1u);
+  // A write on the default stream now races with those reads: a new report.
+  t.add_(1);
+  ASSERT_EQ(checker.reports().size(), 2u);
+  EXPECT_EQ(checker.reports().back().kind, Report::Kind::kWriteAfterRead);
+}
+
+TEST(StreamCheck, ThrowModeFailsTheRacingOp) {
+  Checker checker(Options{OnRace::kThrow});
+  const c10::Stream side = checker.new_stream("side");
+  at::Tensor t = at::ones({4});
+  c10::StreamGuard guard(side);
+  try {
+    at::Tensor u = t * 2;
+    FAIL() << "the racing op did not throw";
+  } catch (const c10::Error& e) {
+    EXPECT_THAT(e.what_without_backtrace(), HasSubstr("read after write"));
+  }
+}
+
+TEST(StreamCheck, OneCheckerAtATimeAndCpuWorksAfterIt) {
+  {
+    Checker checker;
+    EXPECT_TRUE(active());
+    try {
+      Checker second;
+      FAIL() << "a second Checker was made";
+    } catch (const c10::Error& e) {
+      EXPECT_THAT(e.what_without_backtrace(), HasSubstr("already alive"));
+    }
+  }
+  EXPECT_FALSE(active());
+  at::Tensor t = at::ones({4});
+  EXPECT_EQ((t * 2).sum().item<float>(), 8.0f);
+}
+
+}  // namespace
+}  // namespace fsdp::stream_check
