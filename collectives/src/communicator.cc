@@ -1,6 +1,7 @@
 #include "collectives/communicator.h"
 
 #include <functional>
+#include <optional>
 #include <thread>
 #include <utility>
 
@@ -8,6 +9,9 @@
 #include <ATen/ops/amin.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/sum.h>
+#include <c10/core/Event.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -15,6 +19,7 @@
 
 #include "join_ranks.h"
 #include "multi_work.h"
+#include "stream_check/stream_check.h"
 
 namespace fsdp::collectives {
 namespace {
@@ -126,6 +131,45 @@ ChunkExchange exchange_chunks(c10d::Backend& backend, int size, const at::Tensor
                        }};
 }
 
+// [Note: collectives under the stream-order checker] While a stream_check
+// Checker is active, a collective is modelled as NCCL runs it: on its
+// communicator's own stream, which first waits for the issuing stream's
+// current position; the collective reads its inputs and writes its outputs
+// there; the Work carries an event recorded there after it, and each wait()
+// makes the caller's current stream wait for that event. The engine (Gloo)
+// still runs it, but to completion at issue, finishing step included, so
+// that every operation happens in program order and the numbers stay those
+// of the program (and an error surfaces at issue, not at wait).
+class ModelledCollective {
+ public:
+  ModelledCollective(const void* communicator, const std::string& name, const std::vector<at::Tensor>& reads,
+                     const std::vector<at::Tensor>& writes, const char* op) {
+    if (!stream_check::active()) return;
+    stream_ = stream_check::collective_stream(communicator, "collective (" + name + ")");
+    const c10::impl::VirtualGuardImpl impl(c10::kCPU);
+    c10::Event issued(c10::kCPU);
+    issued.record(impl.getStream(impl.getDevice()));
+    issued.block(*stream_);
+    guard_.emplace(*stream_);
+    for (const at::Tensor& t : reads) stream_check::record_access(t, /*write=*/false, op);
+    for (const at::Tensor& t : writes) stream_check::record_access(t, /*write=*/true, op);
+  }
+
+  Work finish(Work work) {
+    if (!stream_) return work;
+    work.wait();
+    auto end = std::make_shared<c10::Event>(c10::kCPU);
+    end->record(*stream_);
+    guard_.reset();
+    work.set_end_event(std::move(end));
+    return work;
+  }
+
+ private:
+  std::optional<c10::Stream> stream_;
+  std::optional<c10::StreamGuard> guard_;
+};
+
 }  // namespace
 
 std::string to_string(BackendKind kind) {
@@ -203,10 +247,11 @@ Work Communicator::all_gather_into_tensor(const at::Tensor& output, const at::Te
               output.numel(), " elements, expected size() * input.numel() = ", size(), " * ", input.numel(), " = ",
               size() * input.numel(), "; allocate the output as group size times the input");
   std::string description = c10::str(kOp, " on ", name_);
+  ModelledCollective modelled(this, name_, {input}, {output}, kOp);
   at::Tensor out = output;
   at::Tensor in = input;
   auto work = issue(backend_kind_, description, [&] { return backend_->_allgather_base(out, in); });
-  return Work(std::move(work), std::move(description));
+  return modelled.finish(Work(std::move(work), std::move(description)));
 }
 
 Work Communicator::reduce_scatter_tensor(const at::Tensor& output, const at::Tensor& input, ReduceOp op) {
@@ -220,16 +265,17 @@ Work Communicator::reduce_scatter_tensor(const at::Tensor& output, const at::Ten
   check_reducible(input, op, kOp, name_);
   const bool native = native_op(op);
   std::string description = c10::str(kOp, "(", op.to_string(), ") on ", name_);
+  ModelledCollective modelled(this, name_, {input}, {output}, kOp);
   if (reduces_scatter_by_all_to_all(backend_kind_, device_type_, size())) {
     ChunkExchange exchange = exchange_chunks(*backend_, size(), output, input, op, description);
-    return Work(std::move(exchange.work), std::move(description), std::move(exchange.reduce));
+    return modelled.finish(Work(std::move(exchange.work), std::move(description), std::move(exchange.reduce)));
   }
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = to_c10d(op, native);
   at::Tensor out = output;
   at::Tensor in = input;
   auto work = issue(backend_kind_, description, [&] { return backend_->_reduce_scatter_base(out, in, opts); });
-  return Work(std::move(work), std::move(description), finish_step(op, native, size(), {output}));
+  return modelled.finish(Work(std::move(work), std::move(description), finish_step(op, native, size(), {output})));
 }
 
 Work Communicator::all_reduce(const at::Tensor& tensor, ReduceOp op) {
@@ -238,11 +284,12 @@ Work Communicator::all_reduce(const at::Tensor& tensor, ReduceOp op) {
   check_reducible(tensor, op, kOp, name_);
   const bool native = native_op(op);
   std::string description = c10::str(kOp, "(", op.to_string(), ") on ", name_);
+  ModelledCollective modelled(this, name_, {tensor}, {tensor}, kOp);
   c10d::AllreduceOptions opts;
   opts.reduceOp = to_c10d(op, native);
   std::vector<at::Tensor> tensors{tensor};
   auto work = issue(backend_kind_, description, [&] { return backend_->allreduce(tensors, opts); });
-  return Work(std::move(work), std::move(description), finish_step(op, native, size(), {tensor}));
+  return modelled.finish(Work(std::move(work), std::move(description), finish_step(op, native, size(), {tensor})));
 }
 
 Work Communicator::broadcast(const at::Tensor& tensor, int root) {
@@ -252,17 +299,19 @@ Work Communicator::broadcast(const at::Tensor& tensor, int root) {
               " is not a group rank (expected 0 <= root < ", size(),
               "); pass the root's rank in this group, not its global rank");
   std::string description = c10::str(kOp, "(root ", root, ") on ", name_);
+  ModelledCollective modelled(this, name_, {tensor}, {tensor}, kOp);
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
   std::vector<at::Tensor> tensors{tensor};
   auto work = issue(backend_kind_, description, [&] { return backend_->broadcast(tensors, opts); });
-  return Work(std::move(work), std::move(description));
+  return modelled.finish(Work(std::move(work), std::move(description)));
 }
 
 Work Communicator::barrier() {
   std::string description = c10::str("barrier on ", name_);
+  ModelledCollective modelled(this, name_, {}, {}, "barrier");
   auto work = issue(backend_kind_, description, [&] { return backend_->barrier(); });
-  return Work(std::move(work), std::move(description));
+  return modelled.finish(Work(std::move(work), std::move(description)));
 }
 
 namespace {
@@ -300,11 +349,12 @@ Work Communicator::all_gather_into_tensor_coalesced(const std::vector<at::Tensor
   for (size_t i = 0; i < inputs.size(); ++i) check_coalesced_pair(outputs, inputs, i, /*output_is_larger=*/true, kOp);
   if (inputs.empty()) return Work();
   std::string description = c10::str(kOp, " (", inputs.size(), " tensors) on ", name_);
+  ModelledCollective modelled(this, name_, inputs, outputs, kOp);
   std::vector<at::Tensor> outs = outputs;
   std::vector<at::Tensor> ins = inputs;
   if (backend_kind_ == BackendKind::kNccl) {
     auto work = issue(backend_kind_, description, [&] { return backend_->allgather_into_tensor_coalesced(outs, ins); });
-    return Work(std::move(work), std::move(description));
+    return modelled.finish(Work(std::move(work), std::move(description)));
   }
   // Gloo runs each collective on its own; back to back is what coalescing
   // would do there anyway.
@@ -313,7 +363,7 @@ Work Communicator::all_gather_into_tensor_coalesced(const std::vector<at::Tensor
   for (size_t i = 0; i < ins.size(); ++i) {
     works.push_back(issue(backend_kind_, description, [&] { return backend_->_allgather_base(outs[i], ins[i]); }));
   }
-  return Work(c10::make_intrusive<detail::MultiWork>(std::move(works)), std::move(description));
+  return modelled.finish(Work(c10::make_intrusive<detail::MultiWork>(std::move(works)), std::move(description)));
 }
 
 Work Communicator::reduce_scatter_tensor_coalesced(const std::vector<at::Tensor>& outputs,
@@ -327,6 +377,7 @@ Work Communicator::reduce_scatter_tensor_coalesced(const std::vector<at::Tensor>
   if (inputs.empty()) return Work();
   const bool native = native_op(op);
   std::string description = c10::str(kOp, "(", op.to_string(), ", ", inputs.size(), " tensors) on ", name_);
+  ModelledCollective modelled(this, name_, inputs, outputs, kOp);
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = to_c10d(op, native);
   std::vector<at::Tensor> outs = outputs;
@@ -335,7 +386,7 @@ Work Communicator::reduce_scatter_tensor_coalesced(const std::vector<at::Tensor>
   if (backend_kind_ == BackendKind::kNccl) {
     auto work =
         issue(backend_kind_, description, [&] { return backend_->reduce_scatter_tensor_coalesced(outs, ins, opts); });
-    return Work(std::move(work), std::move(description), std::move(finish));
+    return modelled.finish(Work(std::move(work), std::move(description), std::move(finish)));
   }
   if (reduces_scatter_by_all_to_all(backend_kind_, device_type_, size())) {
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
@@ -345,10 +396,10 @@ Work Communicator::reduce_scatter_tensor_coalesced(const std::vector<at::Tensor>
       works.push_back(std::move(exchange.work));
       reduces.push_back(std::move(exchange.reduce));
     }
-    return Work(c10::make_intrusive<detail::MultiWork>(std::move(works)), std::move(description),
-                [reduces = std::move(reduces)] {
-                  for (const auto& reduce : reduces) reduce();
-                });
+    return modelled.finish(Work(c10::make_intrusive<detail::MultiWork>(std::move(works)), std::move(description),
+                                [reduces = std::move(reduces)] {
+                                  for (const auto& reduce : reduces) reduce();
+                                }));
   }
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   works.reserve(ins.size());
@@ -356,7 +407,8 @@ Work Communicator::reduce_scatter_tensor_coalesced(const std::vector<at::Tensor>
     works.push_back(
         issue(backend_kind_, description, [&] { return backend_->_reduce_scatter_base(outs[i], ins[i], opts); }));
   }
-  return Work(c10::make_intrusive<detail::MultiWork>(std::move(works)), std::move(description), std::move(finish));
+  return modelled.finish(
+      Work(c10::make_intrusive<detail::MultiWork>(std::move(works)), std::move(description), std::move(finish)));
 }
 
 }  // namespace fsdp::collectives

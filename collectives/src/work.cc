@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <utility>
 
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
@@ -51,6 +52,10 @@ Work& Work::operator=(Work&&) noexcept = default;
 Work::~Work() = default;
 
 void Work::wait(std::chrono::milliseconds timeout) {
+  if (end_event_) {
+    const c10::impl::VirtualGuardImpl impl(end_event_->device_type());
+    end_event_->block(impl.getStream(impl.getDevice()));
+  }
   if (waited_) return;
   if (work_) {
     try {

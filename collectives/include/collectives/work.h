@@ -19,6 +19,7 @@
 #include <memory>
 #include <string>
 
+#include <c10/core/Event.h>
 #include <c10/util/intrusive_ptr.h>
 
 namespace c10d {
@@ -64,11 +65,18 @@ class Work {
   // The underlying c10d work (null for already-completed works).
   const c10::intrusive_ptr<c10d::Work>& c10d_work() const;
 
+  // Internal: an event recorded on the collective's stream after it, which
+  // every wait() makes the caller's current stream wait for (the
+  // stream-order checker's collectives, [Note: collectives under the
+  // stream-order checker] in communicator.cc).
+  void set_end_event(std::shared_ptr<c10::Event> event) { end_event_ = std::move(event); }
+
  private:
   c10::intrusive_ptr<c10d::Work> work_;
   std::string description_;
   std::function<void()> finish_;
   bool waited_ = false;
+  std::shared_ptr<c10::Event> end_event_;
 };
 
 }  // namespace fsdp::collectives
