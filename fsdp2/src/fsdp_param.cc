@@ -1,6 +1,7 @@
 #include "fsdp_param.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -9,6 +10,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include "device_mesh/placement.h"
+#include "stream_check/stream_check.h"
 
 namespace fsdp::detail {
 namespace {
@@ -23,6 +25,9 @@ void free_storage(const at::Tensor& t) {
 void alloc_storage(const at::Tensor& t, size_t nbytes) {
   c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
   if (storage->nbytes() == nbytes) return;
+  // The allocator allocates on the current device, which need not be the
+  // buffer's (a program that switched devices).
+  const c10::OptionalDeviceGuard device_guard(t.device().is_cpu() ? std::nullopt : std::optional(t.device()));
   TORCH_INTERNAL_ASSERT(storage->nbytes() == 0, "fsdp2: unsharded storage is partially allocated");
   storage->set_data_ptr_noswap(storage->allocator()->allocate(nbytes));
   storage->set_nbytes(nbytes);
@@ -93,13 +98,26 @@ FSDPParam::FSDPParam(at::Tensor param, std::string fqn, int64_t shard_rank, int6
   unsharded_buffer_ = at::empty({buffer_numel}, unsharded_options.dtype(param_dtype));
   unsharded_view_ = unsharded_buffer_.narrow(0, 0, unsharded_numel_).view(unsharded_shape_);
   free_storage(unsharded_buffer_);
+  name_buffers_for_stream_check();
 
   param_.set_data(sharded_view_);
+}
+
+void FSDPParam::set_fqn(std::string fqn) {
+  fqn_ = std::move(fqn);
+  name_buffers_for_stream_check();
+}
+
+void FSDPParam::name_buffers_for_stream_check() const {
+  if (!stream_check::active()) return;
+  stream_check::name_buffer(padded_shard_, "the shard of " + fqn_);
+  stream_check::name_buffer(unsharded_buffer_, "the unsharded parameter " + fqn_);
 }
 
 at::Tensor FSDPParam::alloc_all_gather_output_rows() {
   TORCH_INTERNAL_ASSERT(!chunk_cat_);
   alloc_storage(unsharded_buffer_, static_cast<size_t>(unsharded_buffer_.numel()) * unsharded_buffer_.element_size());
+  name_buffers_for_stream_check();
   return unsharded_buffer_.view({world_size_, padded_shard_numel_});
 }
 
@@ -107,6 +125,7 @@ void FSDPParam::copy_out_chunks(const at::Tensor& rows) {
   TORCH_INTERNAL_ASSERT(chunk_cat_ && rows.dim() == 2 && rows.size(0) == world_size_ &&
                         rows.size(1) == padded_shard_numel_);
   alloc_storage(unsharded_buffer_, static_cast<size_t>(unsharded_buffer_.numel()) * unsharded_buffer_.element_size());
+  name_buffers_for_stream_check();
   const int64_t size = unsharded_shape_[shard_dim_];
   std::vector<int64_t> shape = unsharded_shape_;
   std::vector<at::Tensor> chunks;
@@ -185,6 +204,30 @@ void FSDPParam::stash_sharded_grad_for_backward() {
   stash_sharded_grad();
   grad_stashed_while_sharded_ = true;
   hide_post_accumulate_grad_hooks();
+  if (chunk_cat_) point_at_gapped_copy();
+}
+
+void FSDPParam::point_at_gapped_copy() {
+  // [Note: full gradients on a sharded parameter] Autograd's AccumulateGrad
+  // takes a gradient as P's .grad as it is when its strides agree with P's
+  // (the gradient layout contract) or when P is not dense; otherwise it
+  // copies it into P's own shape, which fails for a full gradient. A dim-0
+  // shard has the full gradient's strides; a shard on another dim does not,
+  // so P views, for this backward, a copy of its shard with a gap after the
+  // shard dim's last index (not dense), and the full gradient is kept whole.
+  // An empty chunk counts as dense whatever its strides: it gets the full
+  // gradient's, so that AccumulateGrad takes a fresh gradient as it is.
+  if (sharded_view_.numel() == 0) {
+    param_.set_data(padded_shard_.as_strided(sharded_shape_, c10::contiguous_strides(unsharded_shape_), 0));
+    return;
+  }
+  std::vector<int64_t> gapped_shape = sharded_shape_;
+  gapped_shape[shard_dim_] += 1;
+  c10::NoGradGuard no_grad;
+  at::Tensor gapped = at::empty(gapped_shape, sharded_view_.options());
+  at::Tensor view = gapped.narrow(shard_dim_, 0, sharded_shape_[shard_dim_]);
+  view.copy_(sharded_view_);
+  param_.set_data(view);
 }
 
 void FSDPParam::stash_sharded_grad() {
@@ -252,6 +295,7 @@ at::Tensor FSDPParam::take_autograd_grad() {
     grad = at::Tensor();
   }
   grad_stashed_while_sharded_ = false;
+  point_at(param_, sharded_view_);
   restore_sharded_grad();
   restore_post_accumulate_grad_hooks();
   if (post_acc_grad_hooks_pending_) run_post_accumulate_grad_hooks();
@@ -350,7 +394,11 @@ void FSDPParam::reset_sharded_param(bool adopt) {
   // Same shape, dtype and device: new values for this rank's rows (e.g.
   // torch::load of a file that torch::save wrote from this rank's shard).
   c10::NoGradGuard no_grad;
-  sharded_view_.copy_(param_.detach());
+  const at::Tensor replaced = param_.detach();
+  sharded_view_.copy_(replaced);
+  // The copy runs on the caller's stream (the copy-in stream in an unshard)
+  // and the replaced data, made on another, is freed as P lets go of it.
+  StreamSet::record_stream(replaced, StreamSet::current_stream_of(padded_shard_.device()));
   param_.set_data(sharded_view_);
 }
 

@@ -105,7 +105,7 @@ class FSDPParam {
 
   const at::Tensor& param() const { return param_; }
   const std::string& fqn() const { return fqn_; }
-  void set_fqn(std::string fqn) { fqn_ = std::move(fqn); }
+  void set_fqn(std::string fqn);
   ShardedState state() const { return state_; }
 
   // The tensor dim the parameter is sharded on (normalized, 0 for a 0-dim
@@ -218,9 +218,14 @@ class FSDPParam {
 
  private:
   void stash_sharded_grad();
+  // See [Note: full gradients on a sharded parameter] in fsdp_param.cc.
+  void point_at_gapped_copy();
   void restore_sharded_grad();
   void accumulate_offloaded_grad(const at::Tensor& reduced);
   void hide_post_accumulate_grad_hooks();
+  // Names the shard and the unsharded storage in stream-order reports
+  // (stream_check.h) when the checker is active.
+  void name_buffers_for_stream_check() const;
   void restore_post_accumulate_grad_hooks();
 
   at::Tensor param_;  // P, the module's registered parameter

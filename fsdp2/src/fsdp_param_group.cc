@@ -12,6 +12,7 @@
 
 #include "fsdp_common/logging.h"
 #include "phase.h"
+#include "stream_check/stream_check.h"
 
 namespace fsdp::detail {
 namespace {
@@ -45,6 +46,12 @@ struct PostBackwardFunction : torch::autograd::Function<PostBackwardFunction> {
   }
 };
 
+// Names `t` in stream-order reports ("the all-gather output of 'layers.3'").
+void name_for_stream_check(const at::Tensor& t, const char* what, const std::string& module_fqn) {
+  if (!stream_check::active()) return;
+  stream_check::name_buffer(t, std::string(what) + " of " + (module_fqn.empty() ? "the root" : "'" + module_fqn + "'"));
+}
+
 }  // namespace
 
 void FSDPCommContext::release_all_gather_state() {
@@ -76,8 +83,17 @@ ReduceOps gradient_reduce_ops(int64_t shard_size, int64_t replicate_size, c10::S
   if (!overflow_risk && !force_sum) {
     if (!divide_factor) {
       if (dp_size == 1) return ops;
-      ops.reduce_scatter = collectives::ReduceOp::avg();
+      // A one-rank reduce-scatter (HSDP with shard size 1) sums: NCCL's AVG
+      // at one rank leaves the output's tail unwritten (pytorch#144045), and
+      // the average over one rank is the value itself.
+      if (shard_size > 1) ops.reduce_scatter = collectives::ReduceOp::avg();
       ops.all_reduce = collectives::ReduceOp::avg();
+      return ops;
+    }
+    if (shard_size == 1) {
+      // Neither AVG nor PREMUL_SUM on a one-rank communicator (as above): the
+      // division is a local one after the sum.
+      ops.post_divide = *divide_factor;
       return ops;
     }
     ops.reduce_scatter = *divide_factor == static_cast<double>(shard_size)
@@ -207,6 +223,7 @@ void FSDPParamGroup::unshard(bool async_op) {
     // No wait for the last forward copy-out here: see [Note: all-gather
     // output lifetime].
     output = at::empty({world * padded_total_}, options);
+    name_for_stream_check(output, "the all-gather output", module_fqn_);
     const int64_t input_numel = output.numel() / comm->size();
     c10::NoGradGuard no_grad;
     // NCCL gathers in place from the output's own slice; Gloo gets a
@@ -216,6 +233,7 @@ void FSDPParamGroup::unshard(bool async_op) {
       input = post_forward_shard_;
     } else {
       input = in_place ? output.narrow(0, comm->rank() * input_numel, input_numel) : at::empty({input_numel}, options);
+      if (!in_place) name_for_stream_check(input, "the all-gather input", module_fqn_);
       if (from_post_forward) {
         input.copy_(post_forward_shard_);
       } else {
@@ -245,6 +263,7 @@ void FSDPParamGroup::unshard(bool async_op) {
   }
   AllGatherResult result;
   result.async_op = async_op;
+  result.separate_input = input.defined() && !input.is_alias_of(output) && !from_post_forward;
   result.copy_in_done = DeviceEvent::record(copy_in_stream);
   if (offload_to_cpu_) offload_copy_in_done_ = result.copy_in_done;
   result.all_gather_stream = all_gather_stream;
@@ -281,7 +300,12 @@ void FSDPParamGroup::wait_for_unshard() {
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   }
   const std::optional<c10::Stream> current = streams.current_stream();
-  DeviceEvent::record(result.all_gather_stream).block(current);
+  const DeviceEvent gathered = DeviceEvent::record(result.all_gather_stream);
+  gathered.block(current);
+  // A separate all-gather input (Gloo's; NCCL gathers in place) was made on
+  // the copy-in stream and goes with `result` below: the allocator may reuse
+  // it there only after the collective read it.
+  if (result.separate_input) gathered.block(streams.all_gather_copy_in());
   {
     PhaseScope phase(phase_labels_[Phase::kAllGatherCopyOut]);
     c10::NoGradGuard no_grad;
@@ -323,12 +347,9 @@ void FSDPParamGroup::wait_for_unshard() {
 }
 
 void FSDPParamGroup::reshard() {
-  if (all_gather_) {
-    // An all-gather that was issued but never waited for (a prefetch that
-    // was not used): its buffers must outlive the collective.
-    all_gather_->work.wait();
-    all_gather_.reset();
-  }
+  // An all-gather that was issued but never waited for (a prefetch that was
+  // not used): its buffers must outlive the collective on every stream.
+  discard_all_gather();
   if (training_state_ == TrainingState::kForward) {
     if (!settings_.reshard_after_forward) return;
     if (post_forward_comm_) {
@@ -381,6 +402,7 @@ void FSDPParamGroup::to_sharded_post_forward() {
   {
     c10::NoGradGuard no_grad;
     post_forward_shard_ = at::cat(pieces, /*dim=*/1).reshape({-1});
+    name_for_stream_check(post_forward_shard_, "the post-forward shard", module_fqn_);
   }
   reshard_after_forward_done_ = DeviceEvent::record(comm_ctx_->streams.current_stream());
   for (const auto& p : params_) p->to_sharded();
@@ -515,6 +537,7 @@ void FSDPParamGroup::post_backward() {
   int64_t total = 0;
   for (FSDPParam* p : params_with_grad) total += p->padded_shard_numel();
   at::Tensor input = at::empty({world, total}, grads.front().options().dtype(reduce_dtype_));
+  name_for_stream_check(input, "the reduce-scatter input", module_fqn_);
   {
     PhaseScope copy_in(phase_labels_[Phase::kReduceScatterCopyIn]);
     c10::NoGradGuard no_grad;
@@ -547,6 +570,7 @@ void FSDPParamGroup::post_backward() {
   {
     OptionalStreamGuard guard(rs_stream);
     output = at::empty({total}, input.options());
+    name_for_stream_check(output, "the reduce-scatter output", module_fqn_);
     FSDP2CPP_LOG_DEBUG(phase_labels_[Phase::kReduceScatter] + " op " +
                        describe_reduce(ops.reduce_scatter, shard_comm_->backend_kind(), world) + " in " +
                        c10::toString(reduce_dtype_) + ", " + std::to_string(total) + " elements per rank");
@@ -556,13 +580,18 @@ void FSDPParamGroup::post_backward() {
   comm_ctx_->stats.reduce_scatters += 1;
   comm_ctx_->stats.reduce_scatter_bytes += input.numel() * static_cast<int64_t>(input.element_size());
   comm_ctx_->reduce_scatter_input = std::move(input);
-  comm_ctx_->reduce_scatter_done = DeviceEvent::record(rs_stream);
   pending_reduce_ = PendingReduce{std::move(work), std::move(output), std::move(params_with_grad),
                                   ops.all_reduce,  ops.post_divide,   settings_.all_reduce_grads,
                                   rs_stream};
   if (streams.enabled()) {
-    // Completing it only enqueues work on the reduction streams.
+    // Completing it only enqueues work on the reduction streams. The event
+    // that frees the input is recorded after it: only then has the
+    // reduce-scatter stream followed the collective's own stream (Work's
+    // contract), as FSDP2 records its reduce_scatter event after the
+    // collective. Recorded before, it let the next group free the input
+    // while NCCL could still read it.
     wait_for_post_backward();
+    comm_ctx_->reduce_scatter_done = DeviceEvent::record(rs_stream);
   } else {
     // On CPU the reduce-scatter runs on Gloo's threads while backward goes
     // on; it is completed before the next group's is issued, or at the end of
@@ -619,7 +648,8 @@ void FSDPParamGroup::wait_for_post_backward() {
   pending_reduce_.reset();
   if (comm_ctx_->pending_reduce_group == this) comm_ctx_->pending_reduce_group = nullptr;
   // The reduced chunks become .grad, used on the caller's stream (optimizer).
-  StreamSet::record_stream(pending.output, comm_ctx_->streams.current_stream());
+  const std::optional<c10::Stream> caller = comm_ctx_->streams.current_stream();
+  StreamSet::record_stream(pending.output, caller);
   OptionalStreamGuard guard(pending.stream);
   const auto start = std::chrono::steady_clock::now();
   pending.work.wait();
@@ -674,10 +704,17 @@ void FSDPParamGroup::wait_for_post_backward() {
   for (FSDPParam* p : pending.params) {
     p->accumulate_sharded_grad(pending.output.narrow(0, offset, p->padded_shard_numel()));
     offset += p->padded_shard_numel();
+    // A gradient made here (cast to the parameter's dtype, or a first
+    // accumulation) is another block of this stream's, read and freed on the
+    // caller's.
+    if (caller && !p->param().grad().is_alias_of(pending.output)) StreamSet::record_stream(p->param().grad(), caller);
   }
-  post_reduce_done_ = DeviceEvent::record(pending.stream);
   // Optimizer-in-backward: the hooks see the sharded gradient, as in FSDP2.
   for (FSDPParam* p : pending.params) p->run_post_accumulate_grad_hooks();
+  // After the hooks, which run on this stream: an optimizer step in a hook
+  // writes the shards that the next forward's copy-in reads (FSDP2 records
+  // its post_reduce_event after them too).
+  post_reduce_done_ = DeviceEvent::record(pending.stream);
 }
 
 void FSDPParamGroup::finalize_backward() {
@@ -687,11 +724,8 @@ void FSDPParamGroup::finalize_backward() {
   // The optimizer steps on the host gradients next (FSDP2 synchronizes its
   // grad_offload_event here).
   wait_for_offload_copies();
-  if (all_gather_) {
-    // A backward prefetch that no backward used.
-    all_gather_->work.wait();
-    all_gather_.reset();
-  }
+  // A backward prefetch that no backward used.
+  discard_all_gather();
   post_forward_indices_.clear();
 }
 

@@ -88,6 +88,8 @@ struct AllGatherResult {
   DeviceEvent copy_in_done;
   std::optional<c10::Stream> all_gather_stream;
   bool async_op = false;
+  // The input is a buffer of its own, made on the copy-in stream (Gloo).
+  bool separate_input = false;
 };
 
 // A reduce-scatter issued in post-backward, completed later (see

@@ -228,6 +228,9 @@ void FSDPState::root_pre_forward(TensorRefs& inputs) {
     if (event) {
       event->block(*streams.all_gather_copy_in());
       event->block(*streams.all_gather());
+      // [Note: world size 1 fast path] groups have no copy-in: the compute
+      // reads their shards on the current stream, which must wait too.
+      if (any_group_on_fast_path()) event->block(*streams.current_stream());
       event.reset();
     } else {
       StreamSet::wait_stream(streams.all_gather_copy_in(), streams.current_stream());
@@ -242,6 +245,14 @@ void FSDPState::root_pre_forward(TensorRefs& inputs) {
       if (t->defined() && t->device() != device_) *t = t->to(device_, /*non_blocking=*/false);
     }
   }
+}
+
+bool FSDPState::any_group_on_fast_path() const {
+  for (const auto& weak : ctx_->all_states) {
+    auto s = weak.lock();
+    if (s && s->group_ && s->group_->fast_path()) return true;
+  }
+  return false;
 }
 
 void FSDPState::post_forward(TensorRefs& outputs) {

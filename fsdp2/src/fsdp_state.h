@@ -117,6 +117,8 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
 
  private:
   void root_pre_forward(TensorRefs& inputs);
+  // Whether a group under this root takes the world size 1 fast path.
+  bool any_group_on_fast_path() const;
   void register_pre_backward_hooks(TensorRefs& outputs);
   void register_final_callback();
   void root_post_backward_final_callback();

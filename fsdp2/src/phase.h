@@ -12,6 +12,7 @@
 
 #include "fsdp_common/logging.h"
 #include "phase_labels.h"
+#include "stream_check/stream_check.h"
 
 namespace fsdp::detail {
 
@@ -30,7 +31,7 @@ class NvtxRange {
 // a PhaseLabels entry, phase_labels.h): a temporary string does not compile.
 class PhaseScope {
  public:
-  explicit PhaseScope(const char* name) : name_(name), nvtx_(name) {
+  explicit PhaseScope(const char* name) : name_(name), nvtx_(name), stream_check_(name) {
     FSDP2CPP_LOG_DEBUG(name_);
     if (at::hasCallbacks()) {
       record_.emplace(at::RecordScope::USER_SCOPE);
@@ -45,6 +46,7 @@ class PhaseScope {
  private:
   const char* name_;
   NvtxRange nvtx_;
+  stream_check::PhaseLabel stream_check_;
   std::optional<at::RecordFunction> record_;
 };
 

@@ -3,10 +3,17 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
+#include "stream_check/stream_check.h"
+
 namespace fsdp::detail {
 namespace {
 
-bool has_streams(c10::DeviceType type) { return type != c10::kCPU && type != c10::kMeta; }
+// Under the stream-order checker the CPU has (modelled) streams, and the
+// runtime takes the paths it takes on CUDA (stream_check.h).
+bool has_streams(c10::DeviceType type) {
+  if (type == c10::kCPU) return stream_check::active();
+  return type != c10::kMeta;
+}
 
 }  // namespace
 
@@ -35,11 +42,17 @@ StreamSet::StreamSet(c10::Device device) : device_(device) {
   all_gather_ = impl.getStreamFromGlobalPool(device, /*isHighPriority=*/true);
   reduce_scatter_ = impl.getStreamFromGlobalPool(device, /*isHighPriority=*/true);
   all_reduce_ = impl.getStreamFromGlobalPool(device, /*isHighPriority=*/false);
+  if (stream_check::active()) {
+    stream_check::name_stream(*all_gather_copy_in_, "all-gather copy-in");
+    stream_check::name_stream(*all_gather_, "all-gather");
+    stream_check::name_stream(*reduce_scatter_, "reduce-scatter");
+    stream_check::name_stream(*all_reduce_, "all-reduce");
+  }
 }
 
-std::optional<c10::Stream> StreamSet::current_stream() const {
-  if (!has_streams(device_.type())) return std::nullopt;
-  return c10::impl::VirtualGuardImpl(device_.type()).getStream(device_);
+std::optional<c10::Stream> StreamSet::current_stream_of(c10::Device device) {
+  if (!has_streams(device.type())) return std::nullopt;
+  return c10::impl::VirtualGuardImpl(device.type()).getStream(device);
 }
 
 void StreamSet::wait_stream(const std::optional<c10::Stream>& waiter, const std::optional<c10::Stream>& stream) {

@@ -42,7 +42,9 @@ class StreamSet {
   c10::Device device() const { return device_; }
 
   // The caller's current stream, or unset on CPU.
-  std::optional<c10::Stream> current_stream() const;
+  std::optional<c10::Stream> current_stream() const { return current_stream_of(device_); }
+  // The caller's current stream on `device`, or unset where there are none.
+  static std::optional<c10::Stream> current_stream_of(c10::Device device);
   // High priority, for copy-in and all-gather (prefetch overlaps compute).
   const std::optional<c10::Stream>& all_gather_copy_in() const { return all_gather_copy_in_; }
   const std::optional<c10::Stream>& all_gather() const { return all_gather_; }

@@ -1,7 +1,10 @@
 // HSDP on 2-D meshes, reshard-after-forward to a smaller world, mixed
 // precision and the gradient-reduction controls, each against an unsharded
 // reference on real ranks.
+#include <c10/core/impl/VirtualGuardImpl.h>
+
 #include "fsdp2_test_util.h"
+#include "stream_check/stream_check.h"
 
 namespace fsdp::test {
 namespace {
@@ -39,8 +42,11 @@ void expect_hsdp_matches_reference(testing::RankContext& ctx, const Controls& c)
       });
     }
   }
-  // Accepted everywhere; on CPU there are no streams to order.
-  root.set_post_optim_event(std::make_shared<c10::Event>(c10::kCPU));
+  // Accepted everywhere; on CPU there are no streams to order, except under
+  // the stream-order checker, where the event must have been recorded after
+  // the optimizer step (blocking on an unrecorded event waits for nothing).
+  auto post_optim_event = std::make_shared<c10::Event>(c10::kCPU);
+  if (!stream_check::active()) root.set_post_optim_event(post_optim_event);
   // Both apply to one module's group (as in FSDP2): set them on every one.
   for (auto& m : modules) {
     if (c.divide_factor) m.set_gradient_divide_factor(*c.divide_factor);
@@ -70,6 +76,11 @@ void expect_hsdp_matches_reference(testing::RankContext& ctx, const Controls& c)
     }
     ref_optim.step();
     optim.step();
+    if (stream_check::active()) {
+      const c10::impl::VirtualGuardImpl cpu(c10::kCPU);
+      post_optim_event->record(cpu.getStream(cpu.getDevice()));
+      root.set_post_optim_event(post_optim_event);
+    }
     EXPECT_NEAR(mean_over_ranks(ctx, loss_sum), ref_loss, 1e-5 * std::abs(ref_loss)) << "step " << step;
   }
   expect_params_match(*model, *reference, ctx.mesh());

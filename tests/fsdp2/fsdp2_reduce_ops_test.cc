@@ -29,8 +29,28 @@ TEST(GradientReduceOps, OneRankSumsBecauseNcclAvgIsUnreliableThere) {
     EXPECT_EQ(ops.all_reduce, ReduceOp::sum());
     EXPECT_EQ(ops.post_divide, 1.0);
   }
-  // HSDP with one shard but two replicas still averages.
-  EXPECT_EQ(gradient_reduce_ops(1, 2, at::kFloat, std::nullopt, false).all_reduce, ReduceOp::avg());
+  // HSDP with one shard but two replicas still averages, in the all-reduce
+  // only: the one-rank reduce-scatter sums (an AVG there is what NCCL gets
+  // wrong), in mixed precision too (where the fast path does not apply).
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    const ReduceOps hsdp = gradient_reduce_ops(1, 2, dtype, std::nullopt, false);
+    EXPECT_EQ(hsdp.reduce_scatter, ReduceOp::sum());
+    EXPECT_EQ(hsdp.all_reduce, ReduceOp::avg());
+    EXPECT_EQ(hsdp.post_divide, 1.0);
+  }
+}
+
+TEST(GradientReduceOps, NoScaledOpReachesAOneRankReduceScatter) {
+  // A divide factor at shard size 1 (FSDP at one rank, or HSDP with one
+  // shard) divides locally after a SUM: no AVG or PREMUL_SUM on one rank.
+  for (int64_t replicas : {1, 2, 4}) {
+    for (double factor : {1.0, 3.0}) {
+      const ReduceOps ops = gradient_reduce_ops(1, replicas, at::kFloat, factor, false);
+      EXPECT_EQ(ops.reduce_scatter, ReduceOp::sum()) << replicas << " replicas, factor " << factor;
+      EXPECT_EQ(ops.all_reduce, ReduceOp::sum());
+      EXPECT_EQ(ops.pre_divide * ops.post_divide, factor);
+    }
+  }
 }
 
 TEST(GradientReduceOps, DivideFactor) {
