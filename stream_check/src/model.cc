@@ -111,7 +111,12 @@ void Model::on_free(const void* ptr, const char* phase) {
   const Buffer& b = it->second;
   if (b.alloc_stream >= 0) {
     for (const Access& a : b.accesses) {
-      if (a.stream == b.alloc_stream || b.recorded_streams.count(a.stream) != 0) continue;
+      // record_stream(R) makes the allocator record an event on R at the free
+      // and reuse the block only after it: that covers whatever R's position
+      // at the free covers (R's own accesses, and those R waited for).
+      const bool covered_by_record =
+          std::any_of(b.recorded_streams.begin(), b.recorded_streams.end(), [&](int r) { return ordered(a, r); });
+      if (covered_by_record) continue;
       if (!ordered(a, b.alloc_stream)) {
         report(Report::Kind::kFreedInUse, b, a, b.alloc_stream, phase, "the host's free");
         break;

@@ -119,6 +119,29 @@ TEST(StreamCheck, RecordStreamCoversTheFree) {
   EXPECT_TRUE(checker.reports().empty()) << checker.reports().front().message;
 }
 
+// The allocator records an event on the recorded stream at the free: what
+// that stream waited for before the free is covered too (an access by a
+// collective's stream that the recorded stream waited for), what it did not
+// wait for is not.
+TEST(StreamCheck, RecordStreamCoversWhatThatStreamWaitedFor) {
+  Checker checker;
+  const c10::Stream side = checker.new_stream("side");
+  const c10::Stream other = checker.new_stream("other");
+  for (bool side_waits : {true, false}) {
+    checker.clear_reports();
+    at::Tensor t = at::ones({16});
+    wait_stream(other, current_stream());
+    {
+      c10::StreamGuard guard(other);
+      at::Tensor u = t.sum();
+    }
+    if (side_waits) wait_stream(side, other);
+    c10::impl::VirtualGuardImpl(c10::kCPU).recordDataPtrOnStream(t.storage().data_ptr(), side);
+    t = at::Tensor();
+    EXPECT_EQ(checker.reports().size(), side_waits ? 0u : 1u) << "side waits: " << side_waits;
+  }
+}
+
 TEST(StreamCheck, WaitingBeforeTheFreeCoversIt) {
   Checker checker;
   const c10::Stream side = checker.new_stream("side");
