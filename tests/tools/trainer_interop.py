@@ -42,6 +42,15 @@ def compare(sharded_dir, hf_dir):
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     exported = load_export(hf_dir)
+    # The global shapes the sharded checkpoint's chunks cover: an export that
+    # wrote only some rows of a tensor must not pass as a smaller tensor.
+    shapes = {key: list(md.size) for key, md in
+              HuggingFaceStorageReader(sharded_dir).read_metadata().state_dict_metadata.items()}
+    if set(shapes) != set(exported):
+        sys.exit(f"keys differ between the sharded checkpoint and the export: {sorted(set(shapes) ^ set(exported))}")
+    for key, value in exported.items():
+        if list(value.shape) != shapes[key]:
+            sys.exit(f"MISMATCH {key}: the export has shape {list(value.shape)}, the sharded checkpoint {shapes[key]}")
     sd = {key: torch.zeros_like(value) for key, value in exported.items()}
     dcp.load(sd, storage_reader=HuggingFaceStorageReader(sharded_dir), no_dist=True)
     for key, value in exported.items():
@@ -49,7 +58,8 @@ def compare(sharded_dir, hf_dir):
             sys.exit(f"MISMATCH {key}: max abs diff {(sd[key].double() - value.double()).abs().max().item()}")
     if not any(key.startswith("layers.") for key in exported):
         sys.exit(f"no block parameters among {sorted(exported)}")
-    print(f"compare: {len(exported)} tensors equal in the sharded checkpoint and the export")
+    one_d = sum(1 for value in exported.values() if value.dim() == 1)
+    print(f"compare: {len(exported)} tensors equal in the sharded checkpoint and the export ({one_d} of them 1-D)")
 
 
 def _rewrite_rank(rank, world, init_file, hf_dir, out_dir):
