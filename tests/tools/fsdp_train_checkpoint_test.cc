@@ -306,6 +306,23 @@ TEST(FsdpTrainCheckpoint, ExportAtThreeRanksHoldsFullOneDimensionalTensors) {
   EXPECT_NE(compared.output.find("(5 of them 1-D)"), std::string::npos) << compared.output;
 }
 
+// PyTorch's torch.optim.AdamW, loaded with the trainer's step-5 parameters and
+// optimizer state (the FQN keys state.<fqn>.exp_avg, exp_avg_sq, step and
+// the manifest's param groups), takes step 6 to the trainer's step-6
+// parameters and state (trainer_interop.py adamw). 3 ranks: uneven shards.
+TEST(FsdpTrainCheckpoint, PyTorchsAdamWContinuesFromTheTrainersOptimizerState) {
+  ScratchTree dir;
+  const std::string saves = dir / "saves";
+  train(with(run_flags(dir / "a.json", 3), {"--save-dir", saves, "--save-every", "5", "--stop-after", "6"}),
+        "saving run");
+  ASSERT_TRUE(exists(saves + "/step-5/manifest.json"));
+  ASSERT_TRUE(exists(saves + "/step-6/manifest.json"));
+  const RunResult checked =
+      run_program(FSDP2CPP_TEST_PYTHON, {FSDP_TRAIN_INTEROP_PY, "adamw", saves + "/step-5", saves + "/step-6"});
+  ASSERT_EQ(checked.exit_code, 0) << checked.output;
+  EXPECT_NE(checked.output.find("PyTorch's AdamW step 6 equals the trainer's"), std::string::npos) << checked.output;
+}
+
 TEST(FsdpTrainCheckpoint, FlagErrors) {
   ScratchTree dir;
   const auto expect_error = [&](const std::vector<std::string>& more, const std::string& fragment) {
