@@ -250,8 +250,11 @@ TEST(FailureTest, SurvivorsOfARankThatStopsIssuingCollectivesFailAfterTheTimeout
     } catch (const c10::Error& e) {
       const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       EXPECT_THAT(e.what_without_backtrace(), HasSubstr("all_reduce(AVG) on gloo[0,1,2] failed"));
+      // After the 2 s timeout, and before rank 1 gives up its 30 s wait
+      // (the bound is 10x what an idle machine needs, so load does not
+      // trip it).
       EXPECT_GE(seconds, 1.5);
-      EXPECT_LT(seconds, 10.0);
+      EXPECT_LT(seconds, 25.0);
     }
     store_set(store, "hang_test/failed/" + std::to_string(ctx.rank()), "1");
   });

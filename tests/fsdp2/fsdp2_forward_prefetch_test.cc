@@ -432,6 +432,62 @@ TEST_P(ForwardPrefetch, ResetIterStateAfterAThrowWithAPrefetchInFlight) {
   });
 }
 
+// After training with the full order [root, b0, b1, b2, b3], a forward that
+// skips the two middle blocks issues exactly these all-gathers: the root's,
+// b0 (prefetched by the root), b1 (prefetched by b0, which still stands at
+// its position of the last order; b1 does not run and its all-gather is
+// dropped) and b3's own. b3 stands at position 2, where the last order had
+// b1, so it prefetches nothing: following the last order from there would
+// gather b2, another block that does not run. The next full forward
+// follows the skipped order (b0 prefetches b3 early) and gathers every
+// group once; training matches the reference throughout.
+class ForwardPrefetchAfterSkip : public ::testing::TestWithParam<int> {};
+
+TEST_P(ForwardPrefetchAfterSkip, SkippingTwoMiddleBlocksPrefetchesOnlyFromTheUnchangedPrefix) {
+  testing::run_distributed(GetParam(), [](testing::RankContext& ctx) {
+    Rig s(ctx);
+    Recorder recorder;
+    s.model->set_probe([&](int i) { recorder.mark("forward b" + std::to_string(i)); });
+    // The forward's events, up to the last block's forward mark (backward's
+    // all-gathers follow it).
+    auto forward_events = [&](const char* last) {
+      std::vector<std::string> all = recorder.take();
+      all.resize(std::find(all.begin(), all.end(), last) - all.begin() + 1);
+      return all;
+    };
+    int step = 0;
+    for (; step < 2; ++step) {
+      s.forward_backward(step);
+      s.step();
+    }
+
+    s.model->skip = {1, 2};
+    s.reference->skip = {1, 2};
+    recorder.take();
+    const auto [forward, backward] = s.forward_backward(step);
+    EXPECT_EQ(forward_events("forward b3"),
+              events({"gather b0", "gather b1", "forward b0", "gather b3", "forward b3"}));
+    EXPECT_EQ(forward, 4) << "root, b0, b1 (prefetched, unused) and b3";
+    EXPECT_EQ(backward, 2) << "b0 and b3 again; b1's prefetched all-gather was dropped";
+    s.step();
+    ++step;
+
+    s.model->skip = {};
+    s.reference->skip = {};
+    recorder.take();
+    const auto [full_forward, full_backward] = s.forward_backward(step);
+    EXPECT_EQ(forward_events("forward b3"), events({"gather b0", "gather b3", "forward b0", "gather b1", "forward b1",
+                                                    "gather b2", "forward b2", "forward b3"}));
+    EXPECT_EQ(full_forward, s.forward_gathers(Chain::kBlocks));
+    EXPECT_EQ(full_backward, s.backward_gathers(Chain::kBlocks));
+    s.step();
+    expect_params_match(*s.model, *s.reference, ctx.mesh());
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, ForwardPrefetchAfterSkip, ::testing::Values(2, 3),
+                         [](const ::testing::TestParamInfo<int>& info) { return "ws" + std::to_string(info.param); });
+
 INSTANTIATE_TEST_SUITE_P(WorldSizes, ForwardPrefetch, ::testing::Values(1, 2, 3, 4),
                          [](const ::testing::TestParamInfo<int>& info) { return "ws" + std::to_string(info.param); });
 

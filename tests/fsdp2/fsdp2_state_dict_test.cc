@@ -365,6 +365,62 @@ INSTANTIATE_TEST_SUITE_P(Optimizers, OptimizerStateDictTest,
                            return kind_name(info.param.kind) + "_" + std::to_string(info.param.world_size);
                          });
 
+// What each optimizer-state key means, read from the optimizer itself rather
+// than through get_optimizer_state_dict's naming on both sides: after a few
+// AdamW steps, the full state dict's state.<fqn>.exp_avg is the unsharded
+// reference AdamW's exp_avg() of that parameter, exp_avg_sq its
+// exp_avg_sq() and step its step(); in the sharded state dict each rank's
+// local rows are its torch.chunk rows of those tensors.
+class OptimizerStateKeys : public ::testing::TestWithParam<int> {};
+
+TEST_P(OptimizerStateKeys, AdamWKeysHoldTheReferenceOptimizersOwnMoments) {
+  testing::run_distributed(GetParam(), [](testing::RankContext& ctx) {
+    auto reference = make_model(ModelKind::kMlp);
+    auto model = sharded_mlp(ctx.mesh());
+    torch::optim::AdamW optim(model->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
+    torch::optim::AdamW ref_optim(reference->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
+    constexpr int kSteps = 3;
+    for (int step = 0; step < kSteps; ++step) {
+      train_step(ctx, *model, optim, step);
+      reference_step(*reference, ref_optim, step);
+    }
+    StateDictOptions full;
+    full.full_state_dict = true;
+    const OptimizerStateDict full_osd = get_optimizer_state_dict(*model, optim, full);
+    const OptimizerStateDict sharded_osd = get_optimizer_state_dict(*model, optim);
+    const auto ref_params = reference->named_parameters();
+    ASSERT_EQ(full_osd.state.size(), 3 * ref_params.size());
+    for (const auto& item : ref_params) {
+      const std::string prefix = "state." + item.key() + ".";
+      SCOPED_TRACE(prefix);
+      auto it = ref_optim.state().find(item.value().unsafeGetTensorImpl());
+      ASSERT_NE(it, ref_optim.state().end());
+      const auto& ref_state = static_cast<const torch::optim::AdamWParamState&>(*it->second);
+      ASSERT_EQ(ref_state.step(), kSteps);
+      // The two moments differ by orders of magnitude (exp_avg_sq is about
+      // the square of exp_avg), so a swapped name cannot pass.
+      expect_close(full_osd.state.at(prefix + "exp_avg").local(), ref_state.exp_avg(), prefix + "exp_avg", 1e-4, 1e-7);
+      expect_close(full_osd.state.at(prefix + "exp_avg_sq").local(), ref_state.exp_avg_sq(), prefix + "exp_avg_sq",
+                   1e-4, 1e-9);
+      const at::Tensor& step = full_osd.state.at(prefix + "step").local();
+      EXPECT_EQ(step.dim(), 0);
+      EXPECT_EQ(step.scalar_type(), at::kFloat);
+      EXPECT_EQ(step.item<float>(), static_cast<float>(ref_state.step()));
+
+      const StateValue& avg = sharded_osd.state.at(prefix + "exp_avg");
+      const StateValue& avg_sq = sharded_osd.state.at(prefix + "exp_avg_sq");
+      ASSERT_TRUE(avg.is_dtensor() && avg_sq.is_dtensor());
+      expect_close(avg.dtensor().to_local(), chunk_rows(ref_state.exp_avg(), ctx.mesh()), prefix + "exp_avg (local)",
+                   1e-4, 1e-7);
+      expect_close(avg_sq.dtensor().to_local(), chunk_rows(ref_state.exp_avg_sq(), ctx.mesh()),
+                   prefix + "exp_avg_sq (local)", 1e-4, 1e-9);
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, OptimizerStateKeys, ::testing::Values(2, 3),
+                         [](const ::testing::TestParamInfo<int>& info) { return "ws" + std::to_string(info.param); });
+
 TEST(OptimizerStateDictReshard, SavedAtFourLoadsAtTwoOnTheSubMesh) {
   // Optimizer state saved 4 ways, loaded into a model sharded 2 ways (each
   // replica of a 2x2 mesh's "shard" dim): same full state.

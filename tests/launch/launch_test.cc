@@ -153,11 +153,13 @@ TEST(Fsdprun, HelpPrintsUsage) {
 TEST(LaunchLocalRanks, RankThatIgnoresSigtermIsKilledAfterTheGracePeriod) {
   const RunResult r = run({"/bin/sh", "-c",
                            "exec " + kFsdprun + " --nproc 2 -- /bin/sh -c " +
-                               "'if [ $RANK = 1 ]; then sleep 0.3; exit 5; fi; trap \"\" TERM; exec sleep 20'"});
+                               "'if [ $RANK = 1 ]; then sleep 0.3; exit 5; fi; trap \"\" TERM; exec sleep 120'"});
   EXPECT_EQ(r.exit_code, 5) << describe(r);
-  // 5 s of grace, then SIGKILL: well before the 20 s sleep ends.
+  // 5 s of grace, then SIGKILL: long before the 120 s sleep ends. The upper
+  // bound only separates killed from waited for (an idle machine needs
+  // about 5.5 s; load may stretch that several times over).
   EXPECT_GT(r.seconds, 4.5) << describe(r);
-  EXPECT_LT(r.seconds, 15.0) << describe(r);
+  EXPECT_LT(r.seconds, 60.0) << describe(r);
 }
 
 // SIGTERM to fsdprun reaches the ranks (they stop at once instead of

@@ -152,8 +152,12 @@ TEST(RunDistributedCollect, HangingRankIsKilledAtTheTimeout) {
     if (ctx.rank() == 0) std::this_thread::sleep_for(std::chrono::seconds(120));
   });
   if (is_rank_process()) return;
+  // Killed, not waited for: the run ends long before the hung rank's 120 s
+  // sleep would. The bound only separates those two outcomes (an idle
+  // machine needs about 5 s, a loaded one several times that); the
+  // timing of the kill itself is asserted through the outcome below.
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  EXPECT_LT(seconds, 4 + 5.0);
+  EXPECT_LT(seconds, 60.0);
   ASSERT_EQ(outcomes.size(), 2u);
   const RankOutcome& hung = outcomes[0];
   EXPECT_FALSE(hung.ok());

@@ -9,9 +9,11 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <fstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "run_binary.h"
@@ -204,6 +206,43 @@ TEST(FsdpTrainCheckpoint, CorruptCheckpointIsRefusedNamingTheFile) {
   EXPECT_NE(run.output.find("shard-00001-model-00001-of-00001.safetensors"), std::string::npos) << run.output;
 }
 
+// One bit flipped in the middle of a rank's optimizer file (the size is
+// unchanged and the file still parses, so only the manifest's CRC32 can tell)
+// makes --resume and --init-from refuse the checkpoint on every rank, naming
+// the file and the checksum.
+TEST(FsdpTrainCheckpoint, FlippedBitInTheOptimizerStateFailsTheChecksum) {
+  ScratchTree dir;
+  const std::string saves = dir / "saves";
+  train(with(run_flags(dir / "a.json", 2), {"--save-dir", saves, "--stop-after", "3"}), "saving run");
+  const std::string name = "optim/shard-00002-model-00001-of-00001.safetensors";
+  const std::string victim = saves + "/step-3/" + name;
+  ASSERT_TRUE(exists(victim));
+  const int64_t size = file_size(victim);
+  {
+    std::fstream f(victim, std::ios::in | std::ios::out | std::ios::binary);
+    uint64_t header = 0;  // safetensors: u64 little-endian header size, header, data
+    f.read(reinterpret_cast<char*>(&header), sizeof(header));
+    const auto middle = static_cast<std::streamoff>(8 + header + (size - 8 - static_cast<int64_t>(header)) / 2);
+    ASSERT_LT(8 + static_cast<int64_t>(header), size);
+    char byte = 0;
+    f.seekg(middle);
+    f.read(&byte, 1);
+    byte = static_cast<char>(byte ^ 0x10);
+    f.seekp(middle);
+    f.write(&byte, 1);
+  }
+  ASSERT_EQ(file_size(victim), size);
+  for (const auto& [flags, what] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"--save-dir", saves, "--resume"}, "--resume"}, {{"--init-from", saves}, "--init-from"}}) {
+    const RunResult run = run_program(FSDP_TRAIN_BINARY, with(run_flags(dir / "b.json", 2), flags));
+    EXPECT_NE(run.exit_code, 0) << what << ":\n" << run.output;
+    EXPECT_NE(run.output.find("checksum mismatch"), std::string::npos) << what << ":\n" << run.output;
+    EXPECT_NE(run.output.find(name), std::string::npos) << what << ":\n" << run.output;
+    // Rank 1, which did not verify, fails too instead of waiting.
+    EXPECT_NE(run.output.find("rank 0 found"), std::string::npos) << what << ":\n" << run.output;
+  }
+}
+
 // --export-hf and the sharded checkpoint hold the same weights: runs
 // initialised from either have the same step-1 loss (computed before any
 // update), which differs from a fresh model's.
@@ -250,6 +289,38 @@ TEST(FsdpTrainCheckpoint, PyTorchReadsAndWritesTrainerCheckpoints) {
       train(with(run_flags(dir / "hf.json", 1), {"--steps", "1", "--init-from", hf}), "from the export");
   ASSERT_TRUE(from_pytorch.ok && from_export.ok);
   EXPECT_NEAR(from_pytorch.losses.front(), from_export.losses.front(), 1e-5 * std::abs(from_export.losses.front()));
+}
+
+// The export at 3 ranks (every 1-D norm weight of 32 rows split 11, 11, 10)
+// holds the full tensors: PyTorch's HuggingFaceStorageReader reads the same
+// shapes and values from the sharded checkpoint.
+TEST(FsdpTrainCheckpoint, ExportAtThreeRanksHoldsFullOneDimensionalTensors) {
+  ScratchTree dir;
+  const std::string saves = dir / "saves", hf = dir / "hf";
+  train(with(run_flags(dir / "a.json", 3), {"--save-dir", saves, "--stop-after", "4", "--export-hf", hf}),
+        "exporting run at 3 ranks");
+  const RunResult compared =
+      run_program(FSDP2CPP_TEST_PYTHON, {FSDP_TRAIN_INTEROP_PY, "compare", saves + "/step-4/model", hf});
+  ASSERT_EQ(compared.exit_code, 0) << compared.output;
+  // 2 blocks with two norms each, and the final norm.
+  EXPECT_NE(compared.output.find("(5 of them 1-D)"), std::string::npos) << compared.output;
+}
+
+// PyTorch's torch.optim.AdamW, loaded with the trainer's step-5 parameters and
+// optimizer state (the FQN keys state.<fqn>.exp_avg, exp_avg_sq, step and
+// the manifest's param groups), takes step 6 to the trainer's step-6
+// parameters and state (trainer_interop.py adamw). 3 ranks: uneven shards.
+TEST(FsdpTrainCheckpoint, PyTorchsAdamWContinuesFromTheTrainersOptimizerState) {
+  ScratchTree dir;
+  const std::string saves = dir / "saves";
+  train(with(run_flags(dir / "a.json", 3), {"--save-dir", saves, "--save-every", "5", "--stop-after", "6"}),
+        "saving run");
+  ASSERT_TRUE(exists(saves + "/step-5/manifest.json"));
+  ASSERT_TRUE(exists(saves + "/step-6/manifest.json"));
+  const RunResult checked =
+      run_program(FSDP2CPP_TEST_PYTHON, {FSDP_TRAIN_INTEROP_PY, "adamw", saves + "/step-5", saves + "/step-6"});
+  ASSERT_EQ(checked.exit_code, 0) << checked.output;
+  EXPECT_NE(checked.output.find("PyTorch's AdamW step 6 equals the trainer's"), std::string::npos) << checked.output;
 }
 
 TEST(FsdpTrainCheckpoint, FlagErrors) {

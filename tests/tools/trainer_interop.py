@@ -9,6 +9,17 @@ writes with the trainer's FQNs starts a trainer run.
     python trainer_interop.py rewrite HF_DIR OUT_DIR WORLD
         WORLD gloo ranks load the export, shard every tensor with DTensor
         Shard(0) and save it with HuggingFaceStorageWriter(save_distributed=True).
+    python trainer_interop.py adamw STEP_K_DIR STEP_K1_DIR
+        Two consecutive checkpoints (steps k and k+1) of one run. PyTorch's
+        torch.optim.AdamW is loaded with step k's parameters and optimizer
+        state (state.<fqn>.exp_avg / exp_avg_sq / step and the manifest's
+        param_groups) and takes step k+1 with the gradient the trainer's
+        AdamW took it with; its parameters and state must equal step k+1's.
+        The trainer's model is not rebuilt here (its data sampler is a C++
+        std::mt19937_64), so the gradient is the one step k+1's exp_avg
+        implies: g = (exp_avg[k+1] - beta1 * exp_avg[k]) / (1 - beta1).
+        exp_avg_sq, step and the parameters then check every key's meaning
+        against PyTorch's update rule.
 
 Exits non-zero with a message on any mismatch.
 """
@@ -42,6 +53,15 @@ def compare(sharded_dir, hf_dir):
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     exported = load_export(hf_dir)
+    # The global shapes the sharded checkpoint's chunks cover: an export that
+    # wrote only some rows of a tensor must not pass as a smaller tensor.
+    shapes = {key: list(md.size) for key, md in
+              HuggingFaceStorageReader(sharded_dir).read_metadata().state_dict_metadata.items()}
+    if set(shapes) != set(exported):
+        sys.exit(f"keys differ between the sharded checkpoint and the export: {sorted(set(shapes) ^ set(exported))}")
+    for key, value in exported.items():
+        if list(value.shape) != shapes[key]:
+            sys.exit(f"MISMATCH {key}: the export has shape {list(value.shape)}, the sharded checkpoint {shapes[key]}")
     sd = {key: torch.zeros_like(value) for key, value in exported.items()}
     dcp.load(sd, storage_reader=HuggingFaceStorageReader(sharded_dir), no_dist=True)
     for key, value in exported.items():
@@ -49,7 +69,8 @@ def compare(sharded_dir, hf_dir):
             sys.exit(f"MISMATCH {key}: max abs diff {(sd[key].double() - value.double()).abs().max().item()}")
     if not any(key.startswith("layers.") for key in exported):
         sys.exit(f"no block parameters among {sorted(exported)}")
-    print(f"compare: {len(exported)} tensors equal in the sharded checkpoint and the export")
+    one_d = sum(1 for value in exported.values() if value.dim() == 1)
+    print(f"compare: {len(exported)} tensors equal in the sharded checkpoint and the export ({one_d} of them 1-D)")
 
 
 def _rewrite_rank(rank, world, init_file, hf_dir, out_dir):
@@ -78,10 +99,90 @@ def rewrite(hf_dir, out_dir, world):
     print(f"rewrite: {sorted(os.listdir(out_dir))}")
 
 
+def read_folder(folder):
+    """Every tensor of a sharded folder (model/ or optim/), read with PyTorch's
+    HuggingFaceStorageReader (dcp.load, no_dist) at the global shapes its
+    metadata reports."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    metadata = HuggingFaceStorageReader(folder).read_metadata()
+    sd = {key: torch.zeros(md.size, dtype=md.properties.dtype) for key, md in metadata.state_dict_metadata.items()}
+    dcp.load(sd, storage_reader=HuggingFaceStorageReader(folder), no_dist=True)
+    return sd
+
+
+def close(name, got, expected, rtol, atol_fraction):
+    """allclose with an absolute tolerance relative to the tensor's scale."""
+    got, expected = got.double(), expected.double()
+    atol = atol_fraction * max(expected.abs().max().item(), 1e-30)
+    if got.shape != expected.shape or not torch.allclose(got, expected, rtol=rtol, atol=atol):
+        diff = (got - expected).abs().max().item() if got.shape == expected.shape else float("nan")
+        sys.exit(f"MISMATCH {name}: max abs diff {diff} (scale {expected.abs().max().item()}, rtol {rtol}, "
+                 f"atol {atol})")
+
+
+def adamw(step_k_dir, step_k1_dir):
+    with open(os.path.join(step_k1_dir, "manifest.json")) as f:
+        manifest = json.load(f)
+    groups = manifest["extra"]["param_groups"]
+    if len(groups) != 1:
+        sys.exit(f"expected one param group, got {groups}")
+    group = groups[0]
+    fqns = group["params"]
+    model_k, model_k1 = read_folder(os.path.join(step_k_dir, "model")), read_folder(os.path.join(step_k1_dir, "model"))
+    optim_k, optim_k1 = read_folder(os.path.join(step_k_dir, "optim")), read_folder(os.path.join(step_k1_dir, "optim"))
+    expected_keys = {f"state.{fqn}.{name}" for fqn in fqns for name in ("exp_avg", "exp_avg_sq", "step")}
+    for which, osd in (("k", optim_k), ("k+1", optim_k1)):
+        if set(osd) != expected_keys:
+            sys.exit(f"optimizer keys at step {which}: {sorted(set(osd) ^ expected_keys)} differ from AdamW's")
+
+    beta1, beta2 = group["betas"]
+    params = [torch.nn.Parameter(model_k[fqn].clone()) for fqn in fqns]
+    optim = torch.optim.AdamW(params, lr=group["lr"], betas=(beta1, beta2), eps=group["eps"],
+                              weight_decay=group["weight_decay"], amsgrad=group["amsgrad"], foreach=False)
+    # torch.optim's own state dict format: state by parameter index, step a
+    # float32 0-dim tensor.
+    optim.load_state_dict({
+        "state": {i: {name: optim_k[f"state.{fqn}.{name}"].clone() for name in ("step", "exp_avg", "exp_avg_sq")}
+                  for i, fqn in enumerate(fqns)},
+        "param_groups": [{**{k: v for k, v in optim.param_groups[0].items() if k != "params"},
+                          "params": list(range(len(fqns)))}],
+    })
+    for p, fqn in zip(params, fqns):
+        m_k, m_k1 = optim_k[f"state.{fqn}.exp_avg"].double(), optim_k1[f"state.{fqn}.exp_avg"].double()
+        p.grad = ((m_k1 - beta1 * m_k) / (1 - beta1)).to(p.dtype)
+    optim.step()
+
+    for p, fqn in zip(params, fqns):
+        state = optim.state[p]
+        saved_step = optim_k1[f"state.{fqn}.step"]
+        if saved_step.dim() != 0 or saved_step.dtype != torch.float32 or state["step"].item() != saved_step.item():
+            sys.exit(f"MISMATCH state.{fqn}.step: PyTorch {state['step']}, trainer {saved_step}")
+        # exp_avg agrees by construction of the gradient; exp_avg_sq (which
+        # PyTorch computes from that gradient and step k's exp_avg_sq) and the
+        # parameters (moved by exp_avg / sqrt(exp_avg_sq)) carry the check.
+        close(f"state.{fqn}.exp_avg", state["exp_avg"], optim_k1[f"state.{fqn}.exp_avg"], 1e-4, 1e-6)
+        close(f"state.{fqn}.exp_avg_sq", state["exp_avg_sq"], optim_k1[f"state.{fqn}.exp_avg_sq"], 1e-3, 1e-5)
+        # The update (lr-sized) must match to a small part of itself.
+        update = (model_k1[fqn].double() - model_k[fqn].double()).abs().max().item()
+        if update == 0:
+            sys.exit(f"{fqn} did not change between the two checkpoints")
+        got = p.detach().double()
+        diff = (got - model_k1[fqn].double()).abs().max().item()
+        if diff > 1e-3 * update + 1e-6 * model_k1[fqn].abs().max().item():
+            sys.exit(f"MISMATCH {fqn} after PyTorch's AdamW step: max abs diff {diff}, update size {update}")
+    step = int(optim_k1[f"state.{fqns[0]}.step"].item())
+    print(f"adamw: {len(fqns)} parameters, PyTorch's AdamW step {step} equals the trainer's (exp_avg, exp_avg_sq, "
+          f"step, parameters)")
+
+
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "compare":
         compare(sys.argv[2], sys.argv[3])
     elif len(sys.argv) == 5 and sys.argv[1] == "rewrite":
         rewrite(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    elif len(sys.argv) == 4 and sys.argv[1] == "adamw":
+        adamw(sys.argv[2], sys.argv[3])
     else:
         sys.exit(__doc__)
