@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <optional>
@@ -43,6 +44,39 @@ std::string join_keys(const std::vector<std::string>& keys) {
     out << (i ? ", " : "") << "'" << keys[i] << "'";
   }
   return out.str();
+}
+
+// What a directory of DCP's sharded files (shard-NNNNN-model-00001-of-00001,
+// one per writing rank, numbered from 1) says about a missing file, for a
+// load that found too few saved elements: the numbers missing below the
+// highest one present, named exactly; else the file after the highest one,
+// which is the probable cause when the saved global shape comes out too
+// small (the files record no world size or global shape, so nothing tells a
+// missing last file from a smaller tensor). Empty for other layouts.
+std::string missing_shard_file_hint(const detail::SavedIndex& index, bool saved_shape_too_small) {
+  std::set<int> present;
+  for (const auto& f : index.files) {
+    const std::string& path = f->path();
+    const std::string name = path.substr(path.find_last_of('/') + 1);
+    const int number = name.size() > 11 ? static_cast<int>(std::strtol(name.substr(6, 5).c_str(), nullptr, 10)) : 0;
+    if (number < 1 || name != sharded_file_name(number - 1)) return "";
+    present.insert(number);
+  }
+  if (present.empty()) return "";
+  const int highest = *present.rbegin();
+  std::vector<std::string> gaps;
+  for (int n = 1; n < highest; ++n) {
+    if (present.count(n) == 0) gaps.push_back(sharded_file_name(n - 1));
+  }
+  if (!gaps.empty()) {
+    return c10::str(": '", index.dir, "' lacks ", join_keys(gaps), " (its shard files go up to ",
+                    sharded_file_name(highest - 1), "); copy the whole directory");
+  }
+  if (!saved_shape_too_small) return "";
+  return c10::str(": '", index.dir, "' holds ", sharded_file_name(0), " to ", sharded_file_name(highest - 1),
+                  " (PyTorch's sharded layout, no manifest), so ", sharded_file_name(highest),
+                  " (the next writing rank's file, or more after it) is probably missing; copy the whole directory, "
+                  "or load a checkpoint with a manifest, which names every file");
 }
 
 }  // namespace
@@ -222,6 +256,7 @@ LoadResult load_into(StateDict& target, const SavedIndex& index, const LoadOptio
                 result.unexpected_keys.empty()
                     ? std::string()
                     : "unexpected keys (saved, not in the target): " + join_keys(result.unexpected_keys),
+                missing_shard_file_hint(index, !result.missing_keys.empty()),
                 ". Pass strict = false to load the keys both have.");
   }
 
@@ -232,9 +267,13 @@ LoadResult load_into(StateDict& target, const SavedIndex& index, const LoadOptio
     const SavedTensor& saved = index.tensors.at(*plan[i].second);
     TORCH_CHECK(value.local().defined(), "checkpoint: target key '", key, "' holds an undefined tensor");
     const std::vector<int64_t> global = value.global_shape();
-    TORCH_CHECK(global == saved.global_shape, "checkpoint: key '", key, "' has the global shape ",
-                shape_to_string(global), " in the target but ", shape_to_string(saved.global_shape), " in '", index.dir,
-                "'");
+    if (global != saved.global_shape) {
+      bool too_small = global.size() == saved.global_shape.size();
+      for (size_t d = 0; too_small && d < global.size(); ++d) too_small = saved.global_shape[d] <= global[d];
+      TORCH_CHECK(false, "checkpoint: key '", key, "' has the global shape ", shape_to_string(global),
+                  " in the target but ", shape_to_string(saved.global_shape), " in '", index.dir, "'",
+                  missing_shard_file_hint(index, too_small));
+    }
     TORCH_CHECK(value.dtype() == saved.dtype, "checkpoint: key '", key, "' is ", c10::toString(value.dtype()),
                 " in the target but ", c10::toString(saved.dtype), " in '", index.dir,
                 "'; convert the checkpoint or the model first");
@@ -252,7 +291,8 @@ LoadResult load_into(StateDict& target, const SavedIndex& index, const LoadOptio
     }
     TORCH_CHECK(covered == numel_of(shape), "checkpoint: key '", key, "': the saved pieces in '", index.dir,
                 "' hold only ", covered, " of the ", numel_of(shape), " elements of this rank's region (offset ",
-                shape_to_string(offset), ", shape ", shape_to_string(shape), "): a file of the checkpoint is missing");
+                shape_to_string(offset), ", shape ", shape_to_string(shape), "): a file of the checkpoint is missing",
+                missing_shard_file_hint(index, false));
   }
 
   for (size_t i = 0; i < plan.size(); ++i) {

@@ -1,6 +1,9 @@
 #include "fsdp_state.h"
 
+#include <algorithm>
+#include <atomic>
 #include <cctype>
+#include <mutex>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -57,9 +60,10 @@ void FSDPState::lazy_init() {
   auto root_module = module();
   if (auto p = parent()) {
     TORCH_CHECK(false, "fsdp2: module '", root_module->name(),
-                "' ran its forward hooks before the sharded module that contains it. The outer module's forward "
-                "was called around its hooks: call the root through fsdp::call_module(model, ...), declare its "
-                "holder with FSDP2CPP_MODULE, or use fsdp::Sequential, so that fully_shard can run it.");
+                "' ran its forward hooks before the sharded module that contains it ('", top()->module()->name(),
+                "', the root). The outer module's forward was called around its hooks (e.g. model->forward(x) or a "
+                "TORCH_MODULE holder): call the root through fsdp::call_module(model, ...), declare its holder with "
+                "FSDP2CPP_MODULE, or use fsdp::Sequential, so that fully_shard can run it.");
   }
   if (modules_.size() > 1) {
     std::string names;
@@ -147,6 +151,7 @@ void FSDPState::pre_forward(TensorRefs& inputs) {
   // Whichever state runs forward first in an iteration does the root's
   // pre-forward work, a sharded submodule called on its own included
   // (FSDP2's iter_forward_root).
+  if (ctx_->iter_forward_root == nullptr && !*is_root_) check_root_called_through_hooks();
   root_pre_forward(inputs);
   if (mp_policy_.param_dtype && mp_policy_.cast_forward_inputs) {
     PhaseScope cast("FSDP::cast_forward_inputs");
@@ -276,6 +281,7 @@ void FSDPState::post_forward(TensorRefs& outputs) {
     ctx_->comm.release_all_gather_state();
     ctx_->iter_forward_root = nullptr;
     check_no_call_around_hooks();
+    if (*is_root_ && c10::GradMode::is_enabled()) after_root_forward_with_grad();
   }
   // Only the root's outputs: inner modules' outputs feed modules computing
   // in param_dtype.
@@ -344,9 +350,11 @@ std::string FSDPState::call_around_hooks_message(const std::string* error) const
       if (p->sharded_shape() == p->unsharded_shape()) continue;
       // Runs after every root forward: build the message only on a finding.
       auto used = [&] {
+        const std::string module = s->is_root_.value_or(false) ? c10::str("the root module '", s->module()->name(), "'")
+                                                               : c10::str("module '", s->fqn_, "'");
         return c10::str("fsdp2: parameter '", p->fqn(), "' was used in forward while sharded (shape ",
                         c10::IntArrayRef(p->sharded_shape()), " of ", c10::IntArrayRef(p->unsharded_shape()),
-                        "): module '", s->fqn_, "' was ");
+                        "): ", module, " was ");
       };
       auto node = torch::autograd::impl::try_get_grad_accumulator(p->param());
       if (node && node->num_inputs() > 0) {
@@ -372,6 +380,112 @@ std::string FSDPState::call_around_hooks_message(const std::string* error) const
 void FSDPState::check_no_call_around_hooks() const {
   const std::string message = call_around_hooks_message(nullptr);
   TORCH_CHECK(message.empty(), message);
+}
+
+namespace {
+
+// The roots whose forward ran with autograd since the last backward started,
+// each once, process-wide (the backward may run on another thread than the
+// forward). See FSDPState::warn_if_several_roots.
+struct RootsSinceBackward {
+  std::mutex mutex;
+  std::vector<std::weak_ptr<FSDPState>> roots;
+  std::atomic<bool> warned{false};
+};
+
+RootsSinceBackward& roots_since_backward() {
+  static RootsSinceBackward* roots = new RootsSinceBackward();  // never destroyed: used from exit-time destructors
+  return *roots;
+}
+
+}  // namespace
+
+void FSDPState::after_root_forward_with_grad() {
+  if (group_) {
+    const auto& params = group_->params();
+    root_param_nodes_.resize(params.size());
+    for (size_t i = 0; i < params.size(); ++i) {
+      root_param_nodes_[i] = torch::autograd::impl::try_get_grad_accumulator(params[i]->param());
+    }
+  }
+  RootsSinceBackward& r = roots_since_backward();
+  if (r.warned.load()) return;
+  std::lock_guard<std::mutex> lock(r.mutex);
+  r.roots.erase(std::remove_if(r.roots.begin(), r.roots.end(), [](const auto& w) { return w.expired(); }),
+                r.roots.end());
+  for (const auto& weak : r.roots) {
+    if (weak.lock().get() == this) return;
+  }
+  r.roots.push_back(weak_from_this());
+}
+
+void FSDPState::warn_if_several_roots() {
+  // [Note: several roots in one forward] fully_shard applied to the blocks
+  // but not to the model that contains them makes each block a root of its
+  // own: each all-gathers and reduces only its own parameters, and the
+  // parameters outside the blocks (an embedding, a final norm) get no
+  // reduction at all, so the ranks' copies of them drift apart while the
+  // loss looks plausible. Nothing fails, so it is reported here: when the
+  // forwards before a backward ran several roots. Separate models trained
+  // together (a GAN's generator and discriminator) also do that, which is why
+  // this is a warning, given once per process, and not an error. Roots whose
+  // forward ran without autograd (a frozen teacher) are not counted.
+  RootsSinceBackward& r = roots_since_backward();
+  if (r.warned.load()) return;
+  std::vector<std::string> names;
+  {
+    std::lock_guard<std::mutex> lock(r.mutex);
+    for (const auto& weak : r.roots) {
+      if (auto s = weak.lock()) names.push_back(s->module()->name());
+    }
+    r.roots.clear();
+    if (names.size() < 2 || r.warned.exchange(true)) return;
+  }
+  std::string list;
+  for (const auto& name : names) list += (list.empty() ? "" : ", ") + name;
+  TORCH_WARN("fsdp2: one forward ran ", names.size(), " fully_shard roots, the modules [", list,
+             "]: each root all-gathers and reduces only its own parameters, so the parameters of a module that "
+             "contains them and is not sharded (e.g. an embedding or a final norm) are never reduced and drift apart "
+             "across ranks. If these are parts of one model, apply fully_shard to the model too, last (after its "
+             "submodules), and call it through fsdp::call_module or an FSDP2CPP_MODULE holder. If they are separate "
+             "models trained together, ignore this warning (given once per process).");
+}
+
+void FSDPState::check_root_called_through_hooks() const {
+  // [Note: the root called around its hooks] When the root's forward runs
+  // around its hooks (model->forward(x), a TORCH_MODULE holder), its own
+  // parameters are used while sharded and the first fsdp2 code to run is the
+  // pre-forward of a submodule called through its hooks, which then starts
+  // the forward as a sharded submodule called on its own would (FSDP2
+  // allows that). The two differ in whether the root's parameters were used:
+  // in grad mode autograd made an AccumulateGrad node for each one used.
+  // fsdp2 never keeps such a node, so a node that is alive now is either
+  // still held by the graph of the root's last forward through its hooks
+  // (remembered at its end) or was made since, on the shards: by this call.
+  // This holds at every world size, world size 1 included, where the shard is
+  // the whole parameter and the results are right but the same program fails
+  // at 2+ ranks. Not caught: a root op that fails on the sharded shapes before
+  // any submodule runs (an embedding's "index out of range": no fsdp2 code
+  // runs before it), root parameters first used after the submodules (at 2+
+  // ranks check_no_call_around_hooks finds those by their shape at the end
+  // of the submodule's forward only when the use comes before it), and,
+  // without autograd, a root whose ops fit the sharded shapes at 2+ ranks.
+  std::shared_ptr<FSDPState> root = ctx_->all_states.empty() ? nullptr : ctx_->all_states.front().lock();
+  if (!root || root.get() == this || !root->group_ || root->group_->is_unsharded()) return;
+  const auto& params = root->group_->params();
+  for (size_t i = 0; i < params.size(); ++i) {
+    auto node = torch::autograd::impl::try_get_grad_accumulator(params[i]->param());
+    if (!node) continue;
+    if (i < root->root_param_nodes_.size() && root->root_param_nodes_[i].lock() == node) continue;
+    TORCH_CHECK(false, "fsdp2: the root module '", root->module()->name(),
+                "' was called around its hooks (e.g. model->forward(x), or a TORCH_MODULE holder's model(x)): its "
+                "parameter '",
+                params[i]->fqn(), "' was used while sharded (this rank's shape ",
+                c10::IntArrayRef(params[i]->sharded_shape()), " of ", c10::IntArrayRef(params[i]->unsharded_shape()),
+                "), so its forward computed on this rank's shard, before its submodule '", fqn_,
+                "' started the forward through its own hooks. Call the root through fsdp::call_module(model, ...), "
+                "or declare its holder with FSDP2CPP_MODULE and call model(...).");
+  }
 }
 
 void FSDPState::explain_forward_error() const {
@@ -422,6 +536,7 @@ bool FSDPState::prefetch_unshard(FSDPParamGroup* target, TrainingState state) {
 void FSDPState::register_final_callback() {
   if (ctx_->post_backward_final_callback_queued) return;
   ctx_->post_backward_final_callback_queued = true;
+  warn_if_several_roots();
   // Backward starts: a forward that ended outside the root's post-forward
   // (several roots' outputs, an exception) may have left it.
   ctx_->comm.release_all_gather_state();

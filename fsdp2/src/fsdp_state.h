@@ -17,6 +17,10 @@
 #include "fsdp2/fully_shard.h"
 #include "fsdp_param_group.h"
 
+namespace torch::autograd {
+struct Node;
+}  // namespace torch::autograd
+
 namespace fsdp::detail {
 
 class FSDPState;
@@ -123,6 +127,17 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   void register_final_callback();
   void root_post_backward_final_callback();
   void check_no_call_around_hooks() const;
+  // A non-root state starts this forward: throws when the root's forward ran
+  // around its hooks and used the root's parameters while sharded. See
+  // [Note: the root called around its hooks].
+  void check_root_called_through_hooks() const;
+  // End of a forward of the root in grad mode: remembers its parameters'
+  // AccumulateGrad nodes (made while unsharded) and notes this root for
+  // warn_if_several_roots().
+  void after_root_forward_with_grad();
+  // Start of backward: warns once per process when the forwards since the
+  // last backward ran several roots (fully_shard forgotten on the model).
+  static void warn_if_several_roots();
   // End of the root's forward: the post-forward of every group whose modules
   // did not all run.
   void complete_group_forwards();
@@ -156,6 +171,9 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   std::shared_ptr<FSDPStateContext> ctx_;
   TrainingState training_state_ = TrainingState::kIdle;
   std::string fqn_;
+  // The root's parameters' AccumulateGrad nodes at the end of its last
+  // forward in grad mode, in group order (see check_root_called_through_hooks).
+  std::vector<std::weak_ptr<torch::autograd::Node>> root_param_nodes_;
 };
 
 // The state fully_shard attached to `module`, or null.

@@ -196,9 +196,35 @@ TEST(CheckpointDir, MissingPiecesAndCorruptFilesAreReportedByName) {
   // known from rank 2's file) are not covered.
   ::unlink(shard1.c_str());
   fsdp::StateDict full = ckpt_test::make_full_zeros();
-  CKPT_EXPECT_THROW_WITH(ckpt::load_sharded(full, ckpt_dir + "/model"), "key 'embed.weight'", "hold only 18 of the 30");
+  const std::string lacks_shard1 = "lacks '" + shard1_name + "'";
+  CKPT_EXPECT_THROW_WITH(ckpt::load_sharded(full, ckpt_dir + "/model"), "key 'embed.weight'", "hold only 18 of the 30",
+                         lacks_shard1.c_str());
   EXPECT_TRUE(full.at("embed.weight").local().equal(at::zeros({10, 3}))) << "nothing is half-loaded";
   ckpt_test::write_bytes(shard1, original);
+  EXPECT_NO_THROW(ckpt::verify_checkpoint(ckpt_dir));
+  // The last file missing from the directory, which has no manifest of its
+  // own (what --init-from DIR/model or a copy of PyTorch's files meets):
+  // nothing records the global shapes, so the saved ones come out too small,
+  // and the error names the file after the last one present.
+  const std::string shard2_name = ckpt::sharded_file_name(2);
+  const std::string shard2 = ckpt_dir + "/model/" + shard2_name;
+  const std::string original2 = ckpt_test::read_bytes(shard2);
+  ::unlink(shard2.c_str());
+  const std::string probably_missing =
+      shard2_name + " (the next writing rank's file, or more after it) is probably missing";
+  CKPT_EXPECT_THROW_WITH(ckpt::load_sharded(full, ckpt_dir + "/model"),
+                         "key 'embed.weight' has the global shape [10, 3] in the target but [8, 3]",
+                         probably_missing.c_str(), "copy the whole directory");
+  ckpt_test::write_bytes(shard2, original2);
+  // The first file missing: the plain tensors (rank 0 writes them) are missing keys.
+  const std::string shard0_name = ckpt::sharded_file_name(0);
+  const std::string shard0 = ckpt_dir + "/model/" + shard0_name;
+  const std::string original0 = ckpt_test::read_bytes(shard0);
+  ::unlink(shard0.c_str());
+  const std::string lacks_shard0 = "lacks '" + shard0_name + "'";
+  CKPT_EXPECT_THROW_WITH(ckpt::load_sharded(full, ckpt_dir + "/model"), "missing keys", "norm.weight",
+                         lacks_shard0.c_str());
+  ckpt_test::write_bytes(shard0, original0);
   EXPECT_NO_THROW(ckpt::verify_checkpoint(ckpt_dir));
 
   // A manifest naming a file outside the checkpoint is refused.

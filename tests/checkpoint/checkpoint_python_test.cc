@@ -62,6 +62,11 @@ TEST(CheckpointPython, PyTorchsHuggingFaceStorageReaderLoadsOurShardedCheckpoint
   auto r = run_interop("read_sharded", root / "step-7/model");
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("read_sharded: 7 tensors equal the formula"), std::string::npos) << r.output;
+  // docs/checkpoints.md's load under torch.distributed, in the venv (no numpy).
+  r = run_interop("read_sharded_distributed", root / "step-7/model");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("read_sharded_distributed: 7 tensors equal the formula on 2 ranks"), std::string::npos)
+      << r.output;
   r = run_interop("verify_manifest", root / "step-7");
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("verify_manifest: 3 files match"), std::string::npos) << r.output;

@@ -5,6 +5,8 @@ Values come from `formula`, computed here independently of the C++ side
 (checkpoint_test_util.h has the same formula and the same SPECS table).
 
     python interop.py read_sharded DIR    # PyTorch's HuggingFaceStorageReader loads DIR
+    python interop.py read_sharded_distributed DIR  # the same into DTensors at 2 gloo ranks, as
+                                          # docs/checkpoints.md shows it (no numpy needed)
     python interop.py write_sharded DIR   # 3 gloo ranks save DTensors with HuggingFaceStorageWriter
     python interop.py read_hf DIR         # safetensors.torch.load_file reads an HF export
     python interop.py verify_manifest DIR # sizes and zlib.crc32 of a checkpoint's manifest
@@ -60,6 +62,37 @@ def read_sharded(path):
     for key, shape, dtype, seed, _ in SPECS:
         check(key, sd[key], formula(shape, dtype, seed))
     print(f"read_sharded: {len(sd)} tensors equal the formula")
+
+
+def _read_rank(rank, world, init_file, path):
+    # docs/checkpoints.md, "Opening our checkpoints from Python": no numpy
+    # workaround here, since the documented call must work without numpy.
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    sd = {}
+    for key, shape, dtype, _, is_dtensor in SPECS:
+        zeros = torch.zeros(shape, dtype=dtype)
+        sd[key] = distribute_tensor(zeros, mesh, [Shard(0)]) if is_dtensor else zeros
+    dcp.load(sd, storage_reader=HuggingFaceStorageReader(path), no_dist=True)
+    for key, shape, dtype, seed, is_dtensor in SPECS:
+        check(key, sd[key].full_tensor() if is_dtensor else sd[key], formula(shape, dtype, seed))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def read_sharded_distributed(path, world=2):
+    import torch.multiprocessing as mp
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_read_rank, args=(world, os.path.join(tmp, "init"), path), nprocs=world, join=True)
+    print(f"read_sharded_distributed: {len(SPECS)} tensors equal the formula on {world} ranks")
 
 
 def _object_collectives_without_numpy():
@@ -153,8 +186,8 @@ def verify_manifest(path):
 
 
 if __name__ == "__main__":
-    commands = {"read_sharded": read_sharded, "write_sharded": write_sharded, "read_hf": read_hf,
-                "verify_manifest": verify_manifest}
+    commands = {"read_sharded": read_sharded, "read_sharded_distributed": read_sharded_distributed,
+                "write_sharded": write_sharded, "read_hf": read_hf, "verify_manifest": verify_manifest}
     if len(sys.argv) != 3 or sys.argv[1] not in commands:
         sys.exit(__doc__)
     commands[sys.argv[1]](sys.argv[2])

@@ -4,6 +4,9 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
 
+#include <c10/util/Exception.h>
+#include <torch/optim/sgd.h>
+
 #include "fsdp2_test_util.h"
 
 namespace fsdp::test {
@@ -34,6 +37,27 @@ struct CallsNormBlockAroundHooks : torch::nn::Module {
   CallsNormBlockAroundHooks() : block(register_module("block", NormBlock())) {}
   at::Tensor forward(const at::Tensor& x) { return block(x); }
   NormBlock block;
+};
+
+// A root with parameters of its own used before its block: at 2+ ranks its
+// input projection's sharded weight (4 or 3 of 7 rows) still fits the input,
+// so a forward called around the root's hooks reaches the block's hooks.
+struct InputProjectionImpl : torch::nn::Module {
+  InputProjectionImpl()
+      : in(register_module("in", torch::nn::Linear(7, 7))),
+        block(register_module("block", MLPBlock(7, 13))),
+        head(register_module("head", torch::nn::Linear(13, 3))) {}
+  at::Tensor forward(const at::Tensor& x) { return head(block(in(x))); }
+  torch::nn::Linear in;
+  MLPBlock block;
+  torch::nn::Linear head;
+};
+FSDP2CPP_MODULE(InputProjection);
+
+// Collects the warnings LibTorch's TORCH_WARN hands to this thread's handler.
+struct WarningCollector : c10::WarningHandler {
+  void process(const c10::Warning& warning) override { messages.push_back(warning.msg()); }
+  std::vector<std::string> messages;
 };
 
 struct MixedDtypes : torch::nn::Module {
@@ -159,6 +183,89 @@ TEST(FullyShardErrors, MisuseGivesClearErrors) {
       at::Tensor loss = call_module(*model, local.x, local.y);
       loss.backward();
       EXPECT_THROW_WITH(loss.backward(), "backward through the graph a second time");
+    }
+  });
+}
+
+TEST(FullyShardErrors, RootCalledAroundItsHooksFailsAtEveryWorldSize) {
+  for (int world : {1, 2, 3}) {
+    SCOPED_TRACE(world);
+    testing::run_distributed(world, [](testing::RankContext& ctx) {
+      auto make = [&ctx] {
+        torch::manual_seed(0);
+        InputProjection model;
+        fully_shard(model->block, mesh_options(ctx));
+        fully_shard(model.ptr(), mesh_options(ctx));
+        return model;
+      };
+      const at::Tensor x = at::randn({3, 7});
+      {
+        SCOPED_TRACE("the first forward around the root's hooks");
+        InputProjection model = make();
+        EXPECT_THROW_WITH(model->forward(x), "MLPBlockImpl' ran its forward hooks before the sharded module",
+                          "InputProjectionImpl', the root)", "model->forward(x)", "fsdp::call_module(model, ...)",
+                          "FSDP2CPP_MODULE");
+      }
+      {
+        SCOPED_TRACE("a later forward around the root's hooks");
+        InputProjection model = make();
+        torch::optim::SGD optim(model->parameters(), torch::optim::SGDOptions(0.1));
+        model(x).sum().backward();  // through the holder: the hooks run
+        optim.step();
+        optim.zero_grad();
+        // torch.chunk rows of in.weight's 7: 7; 4, 3; 3, 3, 1.
+        const int64_t chunk = (7 + ctx.world_size() - 1) / ctx.world_size();
+        const int64_t rows = std::min<int64_t>(chunk, 7 - ctx.rank() * chunk);
+        const std::string shape = c10::str("this rank's shape [", rows, ", 7] of [7, 7]");
+        EXPECT_THROW_WITH(model->forward(x), "fsdp2: the root module '",
+                          "InputProjectionImpl' was called around its hooks",
+                          "parameter 'in.weight' was used while sharded", shape.c_str(), "submodule 'block'",
+                          "fsdp::call_module(model, ...)", "FSDP2CPP_MODULE");
+        fsdp_module_of(*model)->reset_iter_state();
+        // The block called on its own through its hooks is no such call, and
+        // the root through its hooks works again.
+        EXPECT_EQ(call_module(model->block, x).sizes(), (std::vector<int64_t>{3, 13}));
+        model(x).sum().backward();
+        optim.step();
+        {
+          SCOPED_TRACE("while the graph of the root's last forward is alive");
+          at::Tensor kept = model(x).sum();
+          kept.backward({}, /*retain_graph=*/true);
+          // The root is sharded again, and its parameters' nodes are alive in
+          // the kept graph: made while unsharded, they are no such call.
+          EXPECT_EQ(call_module(model->block, x).sizes(), (std::vector<int64_t>{3, 13}));
+        }
+      }
+    });
+  }
+}
+
+TEST(FullyShardErrors, ForwardThatRunsSeveralRootsWarnsOnceNamingThem) {
+  testing::run_distributed(2, [](testing::RankContext& ctx) {
+    WarningCollector warnings;
+    c10::WarningUtils::WarningHandlerGuard guard(&warnings);
+    const Batch local = make_batch(ModelKind::kMlp, 0, 12).slice(ctx.rank(), ctx.world_size());
+    {
+      SCOPED_TRACE("blocks and the root sharded: one root, no warning");
+      auto model = std::static_pointer_cast<MLP>(make_model(ModelKind::kMlp));
+      for (auto& b : model->blocks()) fully_shard(b, mesh_options(ctx));
+      fully_shard(model, mesh_options(ctx));
+      for (int step = 0; step < 2; ++step) call_module(*model, local.x, local.y).backward();
+      EXPECT_TRUE(warnings.messages.empty()) << warnings.messages.front();
+    }
+    {
+      SCOPED_TRACE("fully_shard forgotten on the root: each block is a root");
+      auto model = std::static_pointer_cast<MLP>(make_model(ModelKind::kMlp));
+      for (auto& b : model->blocks()) fully_shard(b, mesh_options(ctx));
+      for (int step = 0; step < 3; ++step) model->forward(local.x, local.y).backward();
+      ASSERT_EQ(warnings.messages.size(), 1u);
+      const std::string& w = warnings.messages.front();
+      for (const char* fragment :
+           {"fsdp2: one forward ran 2 fully_shard roots, the modules [fsdp::test::MLPBlockImpl, "
+            "fsdp::test::MLPBlockImpl]",
+            "never reduced", "apply fully_shard to the model too, last", "fsdp::call_module", "separate models"}) {
+        EXPECT_NE(w.find(fragment), std::string::npos) << "warning lacks '" << fragment << "': " << w;
+      }
     }
   });
 }

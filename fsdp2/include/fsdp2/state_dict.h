@@ -17,7 +17,7 @@
 //   full.cpu_offload = true;                                              // rank 0 only, on CPU
 //   fsdp::StateDict export_sd = fsdp::get_model_state_dict(*model, full);
 //
-// Values (PyTorch's semantics, DESIGN.md section 9):
+// Values (PyTorch's semantics, docs/checkpoints.md, "From a sharded model"):
 // - Keys: every FQN of `model.named_parameters()` in that order (a tied
 //   parameter under each FQN that names it, its values sharing storage),
 //   then every FQN of `model.named_buffers()`. FSDP adds no prefixes.

@@ -1,0 +1,57 @@
+# Checks that the documentation agrees with the build:
+#   cmake -DROOT=<source root> -DCHECK=targets -P docs_consistency_check.cmake
+#     README.md's "Using fsdp2cpp from another CMake project" section names
+#     every installed library target (the list _fsdp2cpp_installed_libs in the
+#     top-level CMakeLists.txt) as fsdp2cpp::<name>: a user who links only the
+#     targets it lists gets no undefined reference.
+#   cmake -DROOT=<source root> -DCHECK=references -P docs_consistency_check.cmake
+#     every Markdown file a public header (<layer>/include/**.h) cites exists
+#     in the repository, at that path from the root or under docs/.
+# Prints each problem and fails when there is one.
+set(problems "")
+if(CHECK STREQUAL "targets")
+  file(READ "${ROOT}/CMakeLists.txt" cmakelists)
+  string(REGEX MATCH "set\\(_fsdp2cpp_installed_libs[^)]*\\)" libs_call "${cmakelists}")
+  string(REGEX MATCHALL "fsdp2cpp_[a-z0-9_]+" libs "${libs_call}")
+  list(REMOVE_ITEM libs "fsdp2cpp_installed_libs")
+  if(NOT libs)
+    message(FATAL_ERROR "no set(_fsdp2cpp_installed_libs ...) in ${ROOT}/CMakeLists.txt")
+  endif()
+  file(READ "${ROOT}/README.md" readme)
+  string(FIND "${readme}" "## Using fsdp2cpp from another CMake project" begin)
+  if(begin EQUAL -1)
+    message(FATAL_ERROR "README.md has no section 'Using fsdp2cpp from another CMake project'")
+  endif()
+  string(SUBSTRING "${readme}" ${begin} -1 section)
+  string(FIND "${section}" "\n## " end)
+  string(SUBSTRING "${section}" 0 ${end} section)
+  foreach(lib IN LISTS libs)
+    string(REPLACE "fsdp2cpp_" "fsdp2cpp::" target "${lib}")
+    string(FIND "${section}" "`${target}`" at)
+    if(at EQUAL -1)
+      string(APPEND problems "README.md: the target list lacks `${target}` (installed: ${lib})\n")
+    endif()
+  endforeach()
+elseif(CHECK STREQUAL "references")
+  file(GLOB_RECURSE headers RELATIVE "${ROOT}" "${ROOT}/*/include/*.h")
+  foreach(header IN LISTS headers)
+    if(header MATCHES "^(build|\\.venv)")
+      continue()
+    endif()
+    file(STRINGS "${ROOT}/${header}" lines REGEX "^ *//.*[A-Za-z0-9_]\\.md")
+    foreach(line IN LISTS lines)
+      string(REGEX MATCHALL "[A-Za-z0-9_./-]+\\.md" cited "${line}")
+      foreach(doc IN LISTS cited)
+        if(NOT EXISTS "${ROOT}/${doc}" AND NOT EXISTS "${ROOT}/docs/${doc}")
+          string(APPEND problems "${header}: cites ${doc}, which is not in the repository\n")
+        endif()
+      endforeach()
+    endforeach()
+  endforeach()
+else()
+  message(FATAL_ERROR "CHECK must be targets or references, not '${CHECK}'")
+endif()
+if(problems)
+  message(FATAL_ERROR "${problems}")
+endif()
+message(STATUS "docs agree with the build (${CHECK})")
