@@ -16,7 +16,7 @@
 
 #include <cstdio>
 
-#include "fsdp2_test_util.h"
+#include "fsdp2_test_util.h"  // tests/fsdp2
 #include "stream_check/stream_check.h"
 
 namespace fsdp::test {
@@ -83,6 +83,26 @@ void train_and_compare(testing::RankContext& ctx, Sharded& s, int steps,
   }
   if (before_compare) before_compare();
   expect_params_match(*s.model, *reference, ctx.mesh(), 1e-4, 1e-5);
+}
+
+// Three SGD steps of an MLP-shaped model (sharded) and of its reference on
+// the global batch, whose loss is scaled by `reference_loss_scale`; the
+// parameters compared.
+void train_mlp_and_compare(testing::RankContext& ctx, LossModel& model, LossModel& reference,
+                           double reference_loss_scale = 1.0) {
+  torch::optim::SGD optim(model.parameters(), 0.1);
+  torch::optim::SGD ref_optim(reference.parameters(), 0.1);
+  for (int step = 0; step < 3; ++step) {
+    const Batch batch = make_batch(ModelKind::kMlp, step, kRows);
+    ref_optim.zero_grad();
+    (reference.forward(batch.x, batch.y) * reference_loss_scale).backward();
+    ref_optim.step();
+    optim.zero_grad();
+    const Batch local = batch.slice(ctx.rank(), ctx.world_size());
+    call_module(model, local.x, local.y).backward();
+    optim.step();
+  }
+  expect_params_match(model, reference, ctx.mesh());
 }
 
 class StreamOrder : public ::testing::TestWithParam<int> {};
@@ -222,19 +242,7 @@ TEST_P(StreamOrder, UnusedBackwardPrefetchIsReleasedInOrder) {
     auto model = std::make_shared<DetachedFirstBlock>();
     for (auto& b : model->blocks()) fully_shard(b, mesh_options(ctx));
     fully_shard(model, mesh_options(ctx));
-    torch::optim::SGD optim(model->parameters(), 0.1);
-    torch::optim::SGD ref_optim(reference->parameters(), 0.1);
-    for (int step = 0; step < 3; ++step) {
-      const Batch batch = make_batch(ModelKind::kMlp, step, kRows);
-      ref_optim.zero_grad();
-      reference->forward(batch.x, batch.y).backward();
-      ref_optim.step();
-      optim.zero_grad();
-      const Batch local = batch.slice(ctx.rank(), ctx.world_size());
-      call_module(*model, local.x, local.y).backward();
-      optim.step();
-    }
-    expect_params_match(*model, *reference, ctx.mesh());
+    train_mlp_and_compare(ctx, *model, *reference);
     expect_no_races(checker);
   });
 }
@@ -251,19 +259,7 @@ TEST_P(StreamOrder, AllReduceHookOnAUserStream) {
     for (auto& b : model->blocks()) modules.push_back(fully_shard(b, mesh_options(ctx)));
     modules.push_back(fully_shard(model, mesh_options(ctx)));
     for (auto& m : modules) m.set_all_reduce_hook([](at::Tensor& g) { g.mul_(0.5); }, hook_stream);
-    torch::optim::SGD optim(model->parameters(), 0.1);
-    torch::optim::SGD ref_optim(reference->parameters(), 0.1);
-    for (int step = 0; step < 3; ++step) {
-      const Batch batch = make_batch(ModelKind::kMlp, step, kRows);
-      ref_optim.zero_grad();
-      (reference->forward(batch.x, batch.y) * 0.5).backward();
-      ref_optim.step();
-      optim.zero_grad();
-      const Batch local = batch.slice(ctx.rank(), ctx.world_size());
-      call_module(*model, local.x, local.y).backward();
-      optim.step();
-    }
-    expect_params_match(*model, *reference, ctx.mesh());
+    train_mlp_and_compare(ctx, *model, *reference, /*reference_loss_scale=*/0.5);
     expect_no_races(checker);
   });
 }
