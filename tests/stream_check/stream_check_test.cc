@@ -28,6 +28,18 @@ c10::Stream current_stream() {
   return impl.getStream(impl.getDevice());
 }
 
+// The example of stream_check.h, as it is there.
+TEST(StreamCheck, HeaderExample) {
+  fsdp::stream_check::Checker checker;
+  c10::Stream side = checker.new_stream("side");
+  at::Tensor t = at::ones({4});  // written on the default stream
+  {
+    c10::StreamGuard guard(side);
+    t.add_(1);  // not ordered after the write
+  }
+  ASSERT_EQ(checker.reports().size(), 1u);
+}
+
 TEST(StreamCheck, CorrectProgramReportsNothing) {
   Checker checker;
   const c10::Stream side = checker.new_stream("side");
