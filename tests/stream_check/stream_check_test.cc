@@ -40,6 +40,13 @@ TEST(StreamCheck, HeaderExample) {
   ASSERT_EQ(checker.reports().size(), 1u);
 }
 
+// `stream` waits for the default stream, then reads `t`.
+void read_after_default_stream(const c10::Stream& stream, const at::Tensor& t) {
+  wait_stream(stream, current_stream());
+  c10::StreamGuard guard(stream);
+  at::Tensor sum = t.sum();
+}
+
 TEST(StreamCheck, CorrectProgramReportsNothing) {
   Checker checker;
   const c10::Stream side = checker.new_stream("side");
@@ -103,11 +110,7 @@ TEST(StreamCheck, BlockFreedTooEarlyIsReported) {
   Checker checker;
   const c10::Stream side = checker.new_stream("side");
   at::Tensor t = at::ones({16});  // allocated on the default stream
-  wait_stream(side, current_stream());
-  {
-    c10::StreamGuard guard(side);
-    at::Tensor u = t.sum();
-  }
+  read_after_default_stream(side, t);
   t = at::Tensor();  // freed while side may still read it
   const std::vector<Report> reports = checker.reports();
   ASSERT_EQ(reports.size(), 1u);
@@ -121,11 +124,7 @@ TEST(StreamCheck, RecordStreamCoversTheFree) {
   Checker checker;
   const c10::Stream side = checker.new_stream("side");
   at::Tensor t = at::ones({16});
-  wait_stream(side, current_stream());
-  {
-    c10::StreamGuard guard(side);
-    at::Tensor u = t.sum();
-  }
+  read_after_default_stream(side, t);
   c10::impl::VirtualGuardImpl(c10::kCPU).recordDataPtrOnStream(t.storage().data_ptr(), side);
   t = at::Tensor();
   EXPECT_TRUE(checker.reports().empty()) << checker.reports().front().message;
@@ -142,11 +141,7 @@ TEST(StreamCheck, RecordStreamCoversWhatThatStreamWaitedFor) {
   for (bool side_waits : {true, false}) {
     checker.clear_reports();
     at::Tensor t = at::ones({16});
-    wait_stream(other, current_stream());
-    {
-      c10::StreamGuard guard(other);
-      at::Tensor u = t.sum();
-    }
+    read_after_default_stream(other, t);
     if (side_waits) wait_stream(side, other);
     c10::impl::VirtualGuardImpl(c10::kCPU).recordDataPtrOnStream(t.storage().data_ptr(), side);
     t = at::Tensor();
@@ -158,11 +153,7 @@ TEST(StreamCheck, WaitingBeforeTheFreeCoversIt) {
   Checker checker;
   const c10::Stream side = checker.new_stream("side");
   at::Tensor t = at::ones({16});
-  wait_stream(side, current_stream());
-  {
-    c10::StreamGuard guard(side);
-    at::Tensor u = t.sum();
-  }
+  read_after_default_stream(side, t);
   wait_stream(current_stream(), side);
   t = at::Tensor();
   EXPECT_TRUE(checker.reports().empty()) << checker.reports().front().message;
