@@ -1,6 +1,10 @@
 #include "collectives/communicator.h"
 
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <functional>
+#include <iterator>
 #include <optional>
 #include <thread>
 #include <utility>
@@ -9,6 +13,7 @@
 #include <ATen/ops/amin.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/sum.h>
+#include <ATen/ops/zeros.h>
 #include <c10/core/Event.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -17,6 +22,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
+#include "divergence_monitor.h"
 #include "join_ranks.h"
 #include "multi_work.h"
 #include "stream_check/stream_check.h"
@@ -143,7 +149,9 @@ ChunkExchange exchange_chunks(c10d::Backend& backend, int size, const at::Tensor
 class ModelledCollective {
  public:
   ModelledCollective(const void* communicator, const std::string& name, const std::vector<at::Tensor>& reads,
-                     const std::vector<at::Tensor>& writes, const char* op) {
+                     const std::vector<at::Tensor>& writes, const char* op,
+                     std::shared_ptr<detail::DivergenceMonitor> monitor, int64_t record)
+      : monitor_(std::move(monitor)), record_(record) {
     if (!stream_check::active()) return;
     stream_ = stream_check::collective_stream(communicator, "collective (" + name + ")");
     const c10::impl::VirtualGuardImpl impl(c10::kCPU);
@@ -155,7 +163,10 @@ class ModelledCollective {
     for (const at::Tensor& t : writes) stream_check::record_access(t, /*write=*/true, op);
   }
 
+  // Attaches the collective's flight record to `work`, and models it when
+  // the checker is active.
   Work finish(Work work) {
+    if (monitor_) work.set_record(monitor_, record_);
     if (!stream_) return work;
     work.wait();
     auto end = std::make_shared<c10::Event>(c10::kCPU);
@@ -166,11 +177,25 @@ class ModelledCollective {
   }
 
  private:
+  std::shared_ptr<detail::DivergenceMonitor> monitor_;
+  int64_t record_;
   std::optional<c10::Stream> stream_;
   std::optional<c10::StreamGuard> guard_;
 };
 
 }  // namespace
+
+std::chrono::milliseconds default_collective_timeout() {
+  const char* text = std::getenv("FSDP2CPP_COLLECTIVE_TIMEOUT_S");
+  if (text == nullptr || *text == '\0') return std::chrono::minutes(5);
+  char* end = nullptr;
+  const double value = std::strtod(text, &end);
+  // At least 1 ms: a timeout of 0 ms would mean "no timeout" to the engines.
+  TORCH_CHECK(end != text && *end == '\0' && std::isfinite(value) && value >= 0.001,
+              "fsdp2cpp: FSDP2CPP_COLLECTIVE_TIMEOUT_S='", text,
+              "' is not a number of seconds >= 0.001; set it to e.g. 600 (or unset it for the default of 300)");
+  return std::chrono::milliseconds(static_cast<int64_t>(std::llround(value * 1000)));
+}
 
 std::string to_string(BackendKind kind) {
   switch (kind) {
@@ -182,16 +207,20 @@ std::string to_string(BackendKind kind) {
 }
 
 Communicator::Communicator(c10::intrusive_ptr<c10d::Backend> backend, BackendKind kind, c10::DeviceType device_type,
-                           int rank, std::vector<int> global_ranks, CommunicatorOptions options)
+                           int rank, std::vector<int> global_ranks, CommunicatorOptions options,
+                           std::shared_ptr<detail::DivergenceMonitor> monitor, std::string id)
     : backend_(std::move(backend)),
       backend_kind_(kind),
       device_type_(device_type),
       rank_(rank),
       global_ranks_(std::move(global_ranks)),
       options_(std::move(options)),
-      name_(to_string(kind) + "[" + join_ranks(global_ranks_) + "]") {
+      name_(to_string(kind) + "[" + join_ranks(global_ranks_) + "]"),
+      monitor_(std::move(monitor)),
+      id_(id.empty() ? name_ : std::move(id)) {
   TORCH_INTERNAL_ASSERT(backend_, "Communicator needs a backend");
   TORCH_INTERNAL_ASSERT(kind != BackendKind::kAuto, "Communicator needs a resolved backend kind");
+  if (monitor_) recorder_index_ = monitor_->recorder().register_communicator(id_, global_ranks_);
 }
 
 Communicator::~Communicator() = default;
@@ -238,6 +267,116 @@ void check_reducible(const at::Tensor& t, const ReduceOp& op, const char* op_nam
 
 }  // namespace
 
+namespace {
+
+const char* reduction_name(const ReduceOp& op) {
+  switch (op.kind()) {
+    case ReduceOp::Kind::kSum: return "SUM";
+    case ReduceOp::Kind::kAvg: return "AVG";
+    case ReduceOp::Kind::kMax: return "MAX";
+    case ReduceOp::Kind::kMin: return "MIN";
+    case ReduceOp::Kind::kPremulSum: return "PREMUL_SUM";
+  }
+  return "?";
+}
+
+// [Note: strict collectives] A fingerprint as int64 words, so that one
+// all-gather gives every member every member's: the op and the reduction as
+// indices into fixed tables, the dtype, the element and tensor counts, and
+// the label's first kLabelWords * 8 bytes.
+constexpr const char* kOpNames[] = {
+    "all_gather_into_tensor",           "reduce_scatter_tensor",          "all_reduce", "broadcast", "barrier",
+    "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced"};
+constexpr const char* kReductionNames[] = {"", "SUM", "AVG", "MAX", "MIN", "PREMUL_SUM"};
+constexpr int64_t kLabelWords = 8;
+constexpr int64_t kFingerprintWords = 5 + kLabelWords;
+
+template <size_t N>
+int64_t index_of(const char* const (&names)[N], const char* name) {
+  for (size_t i = 0; i < N; ++i) {
+    if (std::strcmp(names[i], name) == 0) return static_cast<int64_t>(i);
+  }
+  return -1;
+}
+
+CollectiveFingerprint decode_fingerprint(const int64_t* words) {
+  CollectiveFingerprint fp;
+  const auto name = [](const auto& names, int64_t i) -> std::string {
+    return i >= 0 && i < static_cast<int64_t>(std::size(names)) ? names[i] : "?";
+  };
+  fp.op = name(kOpNames, words[0]);
+  fp.reduction = name(kReductionNames, words[1]);
+  fp.dtype = words[2] < 0 ? "" : c10::toString(static_cast<c10::ScalarType>(words[2]));
+  fp.numel = words[3];
+  fp.tensors = words[4];
+  const char* label = reinterpret_cast<const char*>(words + 5);
+  fp.label = std::string(label, strnlen(label, kLabelWords * sizeof(int64_t)));
+  return fp;
+}
+
+}  // namespace
+
+int64_t Communicator::begin_collective(const char* op, const char* reduction, const std::vector<at::Tensor>& inputs) {
+  ++next_seq_;
+  if (!monitor_) return 0;
+  if (monitor_->failed()) {
+    TORCH_CHECK(false, "fsdp2cpp: ", op, " on ", id_,
+                " refused: the ranks' collectives diverged earlier in this process, so the ranks no longer agree on "
+                "which collective comes next. Diagnosis: ",
+                monitor_->failure().value_or(""));
+  }
+  int64_t numel = 0;
+  for (const auto& t : inputs) numel += t.numel();
+  const bool has_dtype = !inputs.empty();
+  const int64_t record = monitor_->recorder().record_issue(
+      recorder_index_, next_seq_, op, reduction, has_dtype ? inputs.front().scalar_type() : c10::ScalarType::Undefined,
+      has_dtype, numel, static_cast<int64_t>(inputs.size()));
+  if (monitor_->options().strict) check_strict(record, op, reduction, inputs);
+  return record;
+}
+
+void Communicator::check_strict(int64_t record, const char* op, const char* reduction,
+                                const std::vector<at::Tensor>& inputs) {
+  at::Tensor mine = at::zeros({kFingerprintWords}, at::kLong);
+  int64_t* words = mine.data_ptr<int64_t>();
+  words[0] = index_of(kOpNames, op);
+  words[1] = index_of(kReductionNames, reduction);
+  words[2] = inputs.empty() ? -1 : static_cast<int64_t>(inputs.front().scalar_type());
+  for (const auto& t : inputs) words[3] += t.numel();
+  words[4] = static_cast<int64_t>(inputs.size());
+  if (const char* label = CollectiveLabel::current()) {
+    std::strncpy(reinterpret_cast<char*>(words + 5), label, kLabelWords * sizeof(int64_t));
+  }
+  const c10::Device device =
+      device_type_ == c10::kCPU ? c10::Device(c10::kCPU) : c10::impl::VirtualGuardImpl(device_type_).getDevice();
+  at::Tensor input = mine.to(device);
+  at::Tensor output = at::empty({size() * kFingerprintWords}, input.options());
+  const std::string description = c10::str("the strict-mode check of collective #", next_seq_, " on ", id_);
+  Work check = recorded(
+      Work(issue(backend_kind_, description, [&] { return backend_->_allgather_base(output, input); }), description),
+      record);
+  check.wait();
+  const at::Tensor all = output.cpu();
+  const int64_t* theirs = all.data_ptr<int64_t>();
+  for (int r = 0; r < size(); ++r) {
+    if (std::equal(words, words + kFingerprintWords, theirs + r * kFingerprintWords)) continue;
+    const std::string error = c10::str(
+        "fsdp2cpp: strict collectives: the members of ", id_, " issue different collectives as #", next_seq_, ": rank ",
+        global_ranks_[rank_], " issues ", decode_fingerprint(words).describe(), "; rank ", global_ranks_[r], " issues ",
+        decode_fingerprint(theirs + r * kFingerprintWords).describe(),
+        ". The ranks' control flow differs (a module skipped, one more micro-batch, data that ended early on one "
+        "rank): every rank must issue the same collectives in the same order");
+    monitor_->recorder().mark(record, CollectiveState::kFailed);
+    monitor_->fail(error);
+    TORCH_CHECK(false, error);
+  }
+}
+
+Work Communicator::recorded(Work work, int64_t record) const {
+  if (monitor_) work.set_record(monitor_, record);
+  return work;
+}
+
 Work Communicator::all_gather_into_tensor(const at::Tensor& output, const at::Tensor& input) {
   constexpr const char* kOp = "all_gather_into_tensor";
   check_tensor(output, kOp, "output");
@@ -247,7 +386,8 @@ Work Communicator::all_gather_into_tensor(const at::Tensor& output, const at::Te
               output.numel(), " elements, expected size() * input.numel() = ", size(), " * ", input.numel(), " = ",
               size() * input.numel(), "; allocate the output as group size times the input");
   std::string description = c10::str(kOp, " on ", name_);
-  ModelledCollective modelled(this, name_, {input}, {output}, kOp);
+  const int64_t record = begin_collective(kOp, "", {input});
+  ModelledCollective modelled(this, name_, {input}, {output}, kOp, monitor_, record);
   at::Tensor out = output;
   at::Tensor in = input;
   auto work = issue(backend_kind_, description, [&] { return backend_->_allgather_base(out, in); });
@@ -265,7 +405,8 @@ Work Communicator::reduce_scatter_tensor(const at::Tensor& output, const at::Ten
   check_reducible(input, op, kOp, name_);
   const bool native = native_op(op);
   std::string description = c10::str(kOp, "(", op.to_string(), ") on ", name_);
-  ModelledCollective modelled(this, name_, {input}, {output}, kOp);
+  const int64_t record = begin_collective(kOp, reduction_name(op), {input});
+  ModelledCollective modelled(this, name_, {input}, {output}, kOp, monitor_, record);
   if (reduces_scatter_by_all_to_all(backend_kind_, device_type_, size())) {
     ChunkExchange exchange = exchange_chunks(*backend_, size(), output, input, op, description);
     return modelled.finish(Work(std::move(exchange.work), std::move(description), std::move(exchange.reduce)));
@@ -284,7 +425,8 @@ Work Communicator::all_reduce(const at::Tensor& tensor, ReduceOp op) {
   check_reducible(tensor, op, kOp, name_);
   const bool native = native_op(op);
   std::string description = c10::str(kOp, "(", op.to_string(), ") on ", name_);
-  ModelledCollective modelled(this, name_, {tensor}, {tensor}, kOp);
+  const int64_t record = begin_collective(kOp, reduction_name(op), {tensor});
+  ModelledCollective modelled(this, name_, {tensor}, {tensor}, kOp, monitor_, record);
   c10d::AllreduceOptions opts;
   opts.reduceOp = to_c10d(op, native);
   std::vector<at::Tensor> tensors{tensor};
@@ -299,7 +441,8 @@ Work Communicator::broadcast(const at::Tensor& tensor, int root) {
               " is not a group rank (expected 0 <= root < ", size(),
               "); pass the root's rank in this group, not its global rank");
   std::string description = c10::str(kOp, "(root ", root, ") on ", name_);
-  ModelledCollective modelled(this, name_, {tensor}, {tensor}, kOp);
+  const int64_t record = begin_collective(kOp, "", {tensor});
+  ModelledCollective modelled(this, name_, {tensor}, {tensor}, kOp, monitor_, record);
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
   std::vector<at::Tensor> tensors{tensor};
@@ -309,7 +452,8 @@ Work Communicator::broadcast(const at::Tensor& tensor, int root) {
 
 Work Communicator::barrier() {
   std::string description = c10::str("barrier on ", name_);
-  ModelledCollective modelled(this, name_, {}, {}, "barrier");
+  const int64_t record = begin_collective("barrier", "", {});
+  ModelledCollective modelled(this, name_, {}, {}, "barrier", monitor_, record);
   auto work = issue(backend_kind_, description, [&] { return backend_->barrier(); });
   return modelled.finish(Work(std::move(work), std::move(description)));
 }
@@ -349,7 +493,8 @@ Work Communicator::all_gather_into_tensor_coalesced(const std::vector<at::Tensor
   for (size_t i = 0; i < inputs.size(); ++i) check_coalesced_pair(outputs, inputs, i, /*output_is_larger=*/true, kOp);
   if (inputs.empty()) return Work();
   std::string description = c10::str(kOp, " (", inputs.size(), " tensors) on ", name_);
-  ModelledCollective modelled(this, name_, inputs, outputs, kOp);
+  const int64_t record = begin_collective(kOp, "", inputs);
+  ModelledCollective modelled(this, name_, inputs, outputs, kOp, monitor_, record);
   std::vector<at::Tensor> outs = outputs;
   std::vector<at::Tensor> ins = inputs;
   if (backend_kind_ == BackendKind::kNccl) {
@@ -377,7 +522,8 @@ Work Communicator::reduce_scatter_tensor_coalesced(const std::vector<at::Tensor>
   if (inputs.empty()) return Work();
   const bool native = native_op(op);
   std::string description = c10::str(kOp, "(", op.to_string(), ", ", inputs.size(), " tensors) on ", name_);
-  ModelledCollective modelled(this, name_, inputs, outputs, kOp);
+  const int64_t record = begin_collective(kOp, reduction_name(op), inputs);
+  ModelledCollective modelled(this, name_, inputs, outputs, kOp, monitor_, record);
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = to_c10d(op, native);
   std::vector<at::Tensor> outs = outputs;

@@ -7,6 +7,7 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include "divergence_monitor.h"
 #include "multi_work.h"
 
 namespace fsdp::collectives {
@@ -58,16 +59,55 @@ void Work::wait(std::chrono::milliseconds timeout) {
   }
   if (waited_) return;
   if (work_) {
+    if (monitor_) monitor_->recorder().mark(record_id_, CollectiveState::kWaiting);
+    const auto started = std::chrono::steady_clock::now();
+    bool done = false;
     try {
-      work_->wait(timeout);
+      done = wait_watched(timeout);
     } catch (...) {
+      // A caller's own timeout leaves the collective in flight, to be waited
+      // for again.
+      if (monitor_) {
+        monitor_->recorder().mark(record_id_,
+                                  work_->isCompleted() ? CollectiveState::kFailed : CollectiveState::kIssued);
+      }
       throw_failure(description_, std::current_exception());
     }
+    if (!done) {
+      const double waited_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+      const std::string diagnosis = monitor_->diagnose(waited_s);
+      monitor_->recorder().mark(record_id_, CollectiveState::kFailed);
+      TORCH_CHECK(false, "fsdp2cpp: ", description_, " did not complete: ", diagnosis);
+    }
+    if (monitor_) monitor_->recorder().mark(record_id_, CollectiveState::kCompleted);
   }
   // Marked before running `finish_` so that a failing finish step (it should
   // not fail) is never applied twice.
   waited_ = true;
   if (finish_) finish_();
+}
+
+bool Work::wait_watched(std::chrono::milliseconds timeout) {
+  const std::chrono::milliseconds threshold = monitor_ ? monitor_->options().timeout : std::chrono::milliseconds(0);
+  if (threshold.count() == 0 || (timeout.count() != 0 && timeout <= threshold)) {
+    work_->wait(timeout);
+    return true;
+  }
+  try {
+    work_->wait(threshold);
+    return true;
+  } catch (...) {
+    // A finished collective reports its own outcome (its error, or none if
+    // it completed just after the timed wait gave up).
+    if (!work_->isCompleted()) return false;
+  }
+  work_->wait();
+  return true;
+}
+
+void Work::set_record(std::shared_ptr<detail::DivergenceMonitor> monitor, int64_t record_id) {
+  monitor_ = std::move(monitor);
+  record_id_ = record_id;
 }
 
 // A c10d work can report itself incomplete after its wait() returned (Gloo's

@@ -15,6 +15,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "backends.h"
+#include "divergence_monitor.h"
 #include "fsdp_common/logging.h"
 #include "join_ranks.h"
 
@@ -120,6 +121,8 @@ World::World(c10::intrusive_ptr<c10d::Store> store, int rank, int size, int loca
 }
 
 World::~World() = default;
+
+FlightRecorder& World::flight_recorder() { return monitor_->recorder(); }
 
 EnvRendezvousSpec env_rendezvous_spec() {
   EnvRendezvousSpec spec;
@@ -246,6 +249,7 @@ std::shared_ptr<World> World::from_store(c10::intrusive_ptr<c10d::Store> store, 
   auto world =
       std::shared_ptr<World>(new World(std::move(store), rank, world_size, local_rank >= 0 ? local_rank : rank,
                                        local_world_size >= 1 ? local_world_size : world_size, std::move(description)));
+  world->monitor_ = std::make_shared<detail::DivergenceMonitor>(world->store_, rank, world_size, options.divergence);
   return world;
 }
 
@@ -350,7 +354,8 @@ std::shared_ptr<Communicator> World::new_group(const std::vector<int>& ranks, c1
                 ": ", cause_of(e));
   }
   FSDP2CPP_LOG_DEBUG(c10::str("new_group ", name, " (#", index, " over these ranks), group rank ", group_rank));
-  return std::make_shared<Communicator>(std::move(backend), kind, device_type, group_rank, ranks, options);
+  return std::make_shared<Communicator>(std::move(backend), kind, device_type, group_rank, ranks, options, monitor_,
+                                        c10::str(name, "#", index));
 }
 
 std::shared_ptr<Communicator> World::shared_group(const std::vector<int>& ranks, c10::DeviceType device_type,

@@ -32,6 +32,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -49,6 +50,10 @@ class Backend;
 
 namespace fsdp::collectives {
 
+namespace detail {
+class DivergenceMonitor;
+}
+
 enum class BackendKind {
   kAuto,  // Gloo for CPU, NCCL for CUDA
   kGloo,
@@ -57,11 +62,19 @@ enum class BackendKind {
 
 std::string to_string(BackendKind kind);
 
+// 5 minutes, or FSDP2CPP_COLLECTIVE_TIMEOUT_S seconds (a positive decimal)
+// when set, as fsdprun --collective-timeout sets it for every rank. Throws
+// c10::Error naming the variable when it is malformed.
+std::chrono::milliseconds default_collective_timeout();
+
 struct CommunicatorOptions {
   BackendKind backend = BackendKind::kAuto;
   // Upper bound for any one collective; a peer that died or never joins
-  // makes the survivors fail after this long, never hang.
-  std::chrono::milliseconds timeout = std::chrono::minutes(5);
+  // makes the survivors fail after this long, never hang. The default is
+  // default_collective_timeout(). Ranks that stop issuing the same
+  // collectives are usually stopped much earlier, by the divergence timeout
+  // (divergence.h).
+  std::chrono::milliseconds timeout = default_collective_timeout();
   // For Gloo: the network interface to use (GLOO_SOCKET_IFNAME overrides);
   // empty means the interface of the rendezvous host (loopback for local runs).
   std::string gloo_interface;
@@ -82,6 +95,12 @@ class Communicator {
   // A stable, human-readable name, "<backend>[<global ranks>]" ("gloo[0,2]"),
   // used in errors and logs.
   const std::string& name() const { return name_; }
+  // name() and which of the groups over these ranks this is, "gloo[0,2]#1":
+  // unique in the World, the same on every member; flight records and
+  // divergence diagnoses name communicators by it (divergence.h).
+  const std::string& id() const { return id_; }
+  // Collectives issued so far (the sequence number of the last one).
+  int64_t issued() const { return next_seq_; }
 
   // REQUIRES: output.numel() == size() * input.numel(); both contiguous, same
   // dtype, on device_type().
@@ -115,9 +134,12 @@ class Communicator {
   // The engine underneath, for what this interface does not cover.
   const c10::intrusive_ptr<c10d::Backend>& backend() const { return backend_; }
 
-  // Internal: made by World::new_group.
+  // Internal: made by World::new_group. `monitor` (the World's; may be null)
+  // records every collective and diagnoses waits that block too long; `id`
+  // defaults to name().
   Communicator(c10::intrusive_ptr<c10d::Backend> backend, BackendKind kind, c10::DeviceType device_type, int rank,
-               std::vector<int> global_ranks, CommunicatorOptions options);
+               std::vector<int> global_ranks, CommunicatorOptions options,
+               std::shared_ptr<detail::DivergenceMonitor> monitor = nullptr, std::string id = "");
 
  private:
   void check_tensor(const at::Tensor& t, const char* op, const char* arg) const;
@@ -128,6 +150,14 @@ class Communicator {
                             bool output_is_larger, const char* op) const;
   // True when the engine computes `op` correctly for this collective itself.
   bool native_op(const ReduceOp& op) const;
+  // Numbers the collective about to be issued, records it in the flight
+  // recorder, and in strict mode checks that every member issues the same
+  // (divergence.h). Returns the record's id (0 without a monitor). `op` is a
+  // literal.
+  int64_t begin_collective(const char* op, const char* reduction, const std::vector<at::Tensor>& inputs);
+  void check_strict(int64_t record, const char* op, const char* reduction, const std::vector<at::Tensor>& inputs);
+  // `work` with its flight record attached.
+  Work recorded(Work work, int64_t record) const;
 
   c10::intrusive_ptr<c10d::Backend> backend_;
   BackendKind backend_kind_;
@@ -136,6 +166,10 @@ class Communicator {
   std::vector<int> global_ranks_;
   CommunicatorOptions options_;
   std::string name_;
+  std::shared_ptr<detail::DivergenceMonitor> monitor_;
+  std::string id_;
+  int recorder_index_ = -1;
+  int64_t next_seq_ = 0;
 };
 
 }  // namespace fsdp::collectives

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstdint>
 #include <exception>
 #include <functional>
 #include <memory>
@@ -27,6 +28,10 @@ class Work;
 }
 
 namespace fsdp::collectives {
+
+namespace detail {
+class DivergenceMonitor;
+}
 
 class Work {
  public:
@@ -49,7 +54,10 @@ class Work {
   // the finishing step. Idempotent: the finishing step runs once. Throws
   // c10::Error naming the collective when it failed, a peer died, or
   // `timeout` (when non-zero) passed; after a timeout the collective is still
-  // in flight and wait() may be called again.
+  // in flight and wait() may be called again. A wait that blocks the host for
+  // the World's divergence timeout first (divergence.h) throws the diagnosis
+  // of the ranks' flight recorders instead; the communicator is unusable
+  // after that.
   void wait(std::chrono::milliseconds timeout = kDefaultTimeout);
 
   // True when the collective has completed (successfully or not). Never blocks.
@@ -70,13 +78,22 @@ class Work {
   // stream-order checker's collectives, [Note: collectives under the
   // stream-order checker] in communicator.cc).
   void set_end_event(std::shared_ptr<c10::Event> event) { end_event_ = std::move(event); }
+  // Internal: the flight-recorder entry of this collective, which wait()
+  // updates, and the monitor that diagnoses a wait that blocks too long.
+  void set_record(std::shared_ptr<detail::DivergenceMonitor> monitor, int64_t record_id);
 
  private:
+  // Waits for work_ up to `timeout` (0: no limit); false when the divergence
+  // timeout passed first.
+  bool wait_watched(std::chrono::milliseconds timeout);
+
   c10::intrusive_ptr<c10d::Work> work_;
   std::string description_;
   std::function<void()> finish_;
   bool waited_ = false;
   std::shared_ptr<c10::Event> end_event_;
+  std::shared_ptr<detail::DivergenceMonitor> monitor_;
+  int64_t record_id_ = 0;
 };
 
 }  // namespace fsdp::collectives

@@ -38,12 +38,18 @@
 #include <c10/util/intrusive_ptr.h>
 
 #include "collectives/communicator.h"
+#include "collectives/divergence.h"
+#include "collectives/flight_recorder.h"
 
 namespace c10d {
 class Store;
 }
 
 namespace fsdp::collectives {
+
+namespace detail {
+class DivergenceMonitor;
+}
 
 // What an env:// rendezvous reads from the environment, before it connects.
 struct EnvRendezvousSpec {
@@ -69,6 +75,9 @@ EnvRendezvousSpec env_rendezvous_spec();
 struct RendezvousOptions {
   // How long to wait for every rank to join the rendezvous.
   std::chrono::milliseconds timeout = std::chrono::minutes(5);
+  // The flight recorder and the diagnosis of ranks that stopped issuing the
+  // same collectives (divergence.h), for every communicator the World makes.
+  DivergenceOptions divergence = DivergenceOptions::from_env();
 };
 
 class World {
@@ -99,6 +108,9 @@ class World {
   std::vector<int> all_ranks() const;
   const c10::intrusive_ptr<c10d::Store>& store() const { return store_; }
   const std::string& description() const { return description_; }
+  // The record of every collective issued on this World's communicators
+  // (flight_recorder.h).
+  FlightRecorder& flight_recorder();
 
   // Creates a communicator over `ranks` (global ranks, in group-rank order).
   // Collective over the members of `ranks` only: every member calls it, in
@@ -146,6 +158,8 @@ class World {
   std::map<std::string, int> group_counts_;
   // Groups made by shared_group, by member list, device type and backend.
   std::map<std::string, std::weak_ptr<Communicator>> shared_groups_;
+  // Shared with the communicators, which may outlive the World.
+  std::shared_ptr<detail::DivergenceMonitor> monitor_;
 };
 
 }  // namespace fsdp::collectives

@@ -1,0 +1,98 @@
+// Divergence: what happens when the ranks stop issuing the same collectives.
+//
+// Ranks that disagree about which collective comes next (a module skipped on
+// one rank, one more micro-batch on one rank, data that ends early on one
+// rank, a rank stalled in user code) would otherwise wait out the
+// communicator's timeout and fail with an error that names neither the
+// module nor the rank that went another way. Instead:
+//
+//  1. A Work::wait() that blocks for DivergenceOptions::timeout (default 30 s)
+//     asks every rank, through the rendezvous store, for its FlightLog
+//     (flight_recorder.h). Each rank's watchdog thread answers within a
+//     fraction of a second, whatever its main thread is doing.
+//  2. The waiting rank compares the logs (diagnose_divergence below) and
+//     throws a c10::Error whose message is the diagnosis: the first
+//     collective where the ranks disagree, each side's fingerprint, and
+//     every rank's state, e.g.
+//
+//       ranks diverged at collective #57 of gloo[0,1,2,3]#0:
+//         ranks 0,1 issued all_gather_into_tensor(Float, 2048 elements) for
+//           FSDP::all_gather (layers.3) [in FSDP::pre_forward (layers.3)]
+//         rank 2 issued reduce_scatter_tensor(AVG, Float, 8192 elements) for
+//           FSDP::reduce_scatter (layers.2) [in FSDP::post_backward (layers.2)]
+//         rank 3 has issued nothing on it since #55, 40.2 s ago (stalled in
+//           user code?)
+//
+//  3. A rank that is not itself waiting (the stalled one) prints the
+//     diagnosis and exits with status 1 a few seconds after it answered, so
+//     that no rank outlives a job that cannot go on. With
+//     DivergenceOptions::dump_dir set, every rank writes its log there as
+//     JSON (flight_recorder_rank<r>.json) and each diagnosing rank writes its
+//     diagnosis (divergence_rank<r>.txt).
+//
+// Strict mode (DivergenceOptions::strict) also checks, before every
+// collective, that every member issues the same fingerprint (one all-gather
+// of a few words, waited for on the host: a debugging aid, docs/debugging.md
+// gives its cost), and fails on every member at once with both fingerprints.
+//
+// Detection watches host waits: on Gloo every Work::wait() blocks the host.
+// On NCCL wait() only orders streams, so a hang shows where the host next
+// synchronizes, outside this library; NCCL's own timeout and flight recorder
+// apply there, and strict mode still checks the order of issue.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "collectives/flight_recorder.h"
+
+namespace fsdp::collectives {
+
+class Communicator;
+
+struct DivergenceOptions {
+  // How long a Work::wait() may block before the ranks' logs are compared;
+  // zero turns detection off (the communicator's timeout remains). Raise it
+  // when one rank legitimately keeps the others waiting longer (evaluation
+  // or a synchronous checkpoint on one rank only): a wait that long is
+  // reported as a stall and stops the job.
+  std::chrono::milliseconds timeout = std::chrono::seconds(30);
+  // Records kept per process (the ring's size).
+  size_t recorder_capacity = 4096;
+  // Where the logs and the diagnosis are written when one is made; empty:
+  // nowhere.
+  std::string dump_dir;
+  // Check every collective's fingerprint on all members before issuing it.
+  bool strict = false;
+
+  // The defaults above, overridden by the environment:
+  //   FSDP2CPP_DIVERGENCE_TIMEOUT_S   seconds (decimal), 0 = off
+  //   FSDP2CPP_FLIGHT_RECORDER_SIZE   records per process, >= 1
+  //   FSDP2CPP_FLIGHT_RECORDER_DIR    dump directory
+  //   FSDP2CPP_STRICT_COLLECTIVES     1 = strict mode
+  // Throws c10::Error naming a malformed variable and the values it takes.
+  static DivergenceOptions from_env();
+};
+
+// The diagnosis of a hang from the logs of all ranks: `logs[r]` is rank r's
+// log, or nullopt when rank r did not answer (it exited, crashed, or is
+// stuck where its watchdog cannot publish). `waited_s` is how long the
+// diagnosing rank `diagnosing_rank` had waited. Pure: no communication.
+std::string diagnose_divergence(const std::vector<std::optional<FlightLog>>& logs, int diagnosing_rank,
+                                double waited_s);
+
+// Checks that every member of `comm` holds the same `lines` (a description
+// of something all ranks must agree on, one item per line: a model's
+// parameters, say). Collective over `comm`: one all-gather of a hash when the
+// ranks agree, two more to find the difference when they do not. Throws
+// c10::Error on every member when they differ, naming the first line where
+// a rank differs from the group's first rank, e.g. "<what> differs between
+// ranks: rank 2 has parameter 'w' of shape [688, 256]; rank 0 has parameter
+// 'w' of shape [704, 256]". On CUDA communicators it synchronizes the host
+// with the current stream.
+void check_ranks_agree(Communicator& comm, const std::vector<std::string>& lines, const std::string& what);
+
+}  // namespace fsdp::collectives

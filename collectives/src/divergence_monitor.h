@@ -1,0 +1,87 @@
+// Internal: the per-World object behind divergence.h: the flight recorder,
+// the watchdog thread that answers other ranks' requests for it, and the
+// diagnosis a wait that blocked too long makes.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <c10/util/intrusive_ptr.h>
+
+#include "collectives/divergence.h"
+#include "collectives/flight_recorder.h"
+
+namespace c10d {
+class Store;
+}
+
+namespace fsdp::collectives::detail {
+
+class DivergenceMonitor {
+ public:
+  // Starts the watchdog thread (when options.timeout is non-zero and there
+  // are other ranks). `store` is the World's, used from the watchdog thread
+  // too (c10d's stores serialize their operations; a clone would not do:
+  // a cloned FileStore counts as one more worker when it deletes the file).
+  DivergenceMonitor(const c10::intrusive_ptr<c10d::Store>& store, int rank, int world_size, DivergenceOptions options);
+  // Stops and joins the watchdog.
+  ~DivergenceMonitor();
+  DivergenceMonitor(const DivergenceMonitor&) = delete;
+  DivergenceMonitor& operator=(const DivergenceMonitor&) = delete;
+
+  FlightRecorder& recorder() { return recorder_; }
+  const DivergenceOptions& options() const { return options_; }
+  int rank() const { return rank_; }
+
+  // Called by a wait that blocked options().timeout (`waited_s`): asks every
+  // rank for its log, waits a few seconds for the answers, and returns the
+  // diagnosis (also written to options().dump_dir). Once made, the same
+  // diagnosis is returned to every later call, and failure() reports it.
+  std::string diagnose(double waited_s);
+
+  // The diagnosis this process made or received, or nullopt: collectives
+  // issued after one refuse to run, since the ranks no longer agree.
+  std::optional<std::string> failure() const;
+  // failure().has_value(), without a lock: checked at every issue.
+  bool failed() const { return failed_.load(std::memory_order_relaxed); }
+  // Records a failure found without a hang (strict mode's check), so that
+  // later collectives refuse to run.
+  void fail(const std::string& reason);
+
+ private:
+  void watch();
+  // Publishes this rank's log to the store (and the dump directory).
+  void publish(c10d::Store& store, bool diagnosing);
+  void write_dump(const std::string& name, const std::string& text) const;
+  // Requests every rank's log and collects those that arrive within
+  // gather_window(); throws when the store fails.
+  std::vector<std::optional<FlightLog>> gather_logs();
+  // How long a diagnosing rank waits for the others' logs.
+  std::chrono::milliseconds gather_window() const;
+
+  const int rank_;
+  const int world_size_;
+  const DivergenceOptions options_;
+  FlightRecorder recorder_;
+  c10::intrusive_ptr<c10d::Store> store_;
+
+  mutable std::mutex mutex_;
+  std::condition_variable wake_;
+  bool stop_ = false;
+  std::optional<std::string> failure_;
+  // Set by diagnose(): when the watchdog ends a process whose collectives
+  // can no longer complete ([Note: the divergence watchdog]).
+  std::optional<std::chrono::steady_clock::time_point> exit_deadline_;
+  std::atomic<bool> diagnosing_{false};
+  std::atomic<bool> failed_{false};
+  std::mutex publish_mutex_;
+  std::thread watchdog_;
+};
+
+}  // namespace fsdp::collectives::detail
