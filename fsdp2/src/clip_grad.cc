@@ -12,6 +12,7 @@
 #include <c10/util/Exception.h>
 
 #include "collectives/communicator.h"
+#include "collectives/flight_recorder.h"
 #include "fsdp_state.h"
 
 namespace fsdp {
@@ -138,6 +139,7 @@ at::Tensor get_total_norm(const FSDPModule& root, double norm_type, bool error_i
   local = local.defined() ? local.reshape({1}).contiguous()
                           : at::zeros({1}, at::TensorOptions().dtype(acc).device(grads.device));
   // One collective for the whole model; the current stream waits on NCCL.
+  const collectives::CollectiveLabel label("FSDP::clip_grad_norm_ (total norm)");
   grads.shard_comm->all_reduce(local, inf_norm ? collectives::ReduceOp::max() : collectives::ReduceOp::sum()).wait();
   at::Tensor total = inf_norm ? local.reshape({}) : local.reshape({}).pow(1.0 / norm_type);
   if (error_if_nonfinite) {

@@ -15,6 +15,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include "collectives/divergence.h"
 #include "phase.h"
 
 namespace fsdp::detail {
@@ -133,6 +134,41 @@ void FSDPState::lazy_init() {
       if (p->fqn().rfind(prefix, 0) != 0) p->set_fqn(prefix + p->fqn());
     }
     state->group_->lazy_init(&ctx_->comm, state->fqn_);
+  }
+  check_ranks_hold_the_same_model();
+}
+
+// [Note: the model fingerprint] Ranks that build different models (a config
+// read differently, one layer more, a parameter frozen on one rank only,
+// other fully_shard groups) would issue collectives of different sizes, or
+// different numbers of them, and hang or fail far from the cause. The root's
+// lazy init, the first point where every rank has named every parameter and
+// before any collective of the model, compares one line per group and per
+// parameter across the ranks of each mesh dim, and names the first
+// difference on every rank.
+void FSDPState::check_ranks_hold_the_same_model() const {
+  std::vector<std::string> lines;
+  for (const auto& weak : ctx_->all_states) {
+    auto state = weak.lock();
+    if (!state->group_) {
+      lines.push_back(c10::str("fully_shard module '", state->fqn_, "' with no parameters"));
+      continue;
+    }
+    auto* group = state->group_.get();
+    lines.push_back(c10::str("fully_shard group '", state->fqn_, "' of ", state->modules_.size(), " module(s) with ",
+                             group->params().size(), " parameter(s), reshard_after_forward ",
+                             group->settings().reshard_after_forward ? "true" : "false"));
+    for (const auto& p : group->params()) {
+      lines.push_back(c10::str("parameter '", p->fqn(), "' of shape ", c10::IntArrayRef(p->unsharded_shape()),
+                               ", dtype ", p->orig_dtype(), ", requires_grad ",
+                               p->param().requires_grad() ? "true" : "false", ", sharded on dim ", p->shard_dim()));
+    }
+  }
+  PhaseScope phase("FSDP::lazy_init (model fingerprint)");
+  for (int64_t dim = 0; dim < mesh_.ndim(); ++dim) {
+    const auto& comm = mesh_.group(dim);
+    if (comm->size() == 1) continue;
+    collectives::check_ranks_agree(*comm, lines, "fsdp2: the sharded model");
   }
 }
 

@@ -121,6 +121,10 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
 
  private:
   void root_pre_forward(TensorRefs& inputs);
+  // Lazy init: throws on every rank, naming the first difference, when the
+  // ranks' models or fully_shard groups differ ([Note: the model
+  // fingerprint]).
+  void check_ranks_hold_the_same_model() const;
   // Whether a group under this root takes the world size 1 fast path.
   bool any_group_on_fast_path() const;
   void register_pre_backward_hooks(TensorRefs& outputs);

@@ -2,7 +2,10 @@
 // scatter, ...) with FSDP2's names and the module FQN, e.g.
 // "FSDP::all_gather (layers.3)": for LibTorch's profiler (a user-scope
 // RecordFunction, visible in Kineto/Chrome traces), as an NVTX range on CUDA
-// builds (Nsight), and as a debug-level log line.
+// builds (Nsight), as a debug-level log line, as the label of the
+// collectives issued inside it (the flight recorder's, and the divergence
+// diagnosis's: collectives/flight_recorder.h), and as the phase the
+// stream-order checker names.
 #pragma once
 
 #include <optional>
@@ -10,6 +13,7 @@
 
 #include <ATen/record_function.h>
 
+#include "collectives/flight_recorder.h"
 #include "fsdp_common/logging.h"
 #include "phase_labels.h"
 #include "stream_check/stream_check.h"
@@ -31,7 +35,7 @@ class NvtxRange {
 // a PhaseLabels entry, phase_labels.h): a temporary string does not compile.
 class PhaseScope {
  public:
-  explicit PhaseScope(const char* name) : name_(name), nvtx_(name), stream_check_(name) {
+  explicit PhaseScope(const char* name) : name_(name), nvtx_(name), stream_check_(name), collective_label_(name) {
     FSDP2CPP_LOG_DEBUG(name_);
     if (at::hasCallbacks()) {
       record_.emplace(at::RecordScope::USER_SCOPE);
@@ -47,6 +51,7 @@ class PhaseScope {
   const char* name_;
   NvtxRange nvtx_;
   stream_check::PhaseLabel stream_check_;
+  collectives::CollectiveLabel collective_label_;
   std::optional<at::RecordFunction> record_;
 };
 

@@ -29,6 +29,7 @@
 #include <torch/optim/sgd.h>
 #include <nlohmann/json.hpp>
 
+#include "collectives/flight_recorder.h"
 #include "fsdp_param.h"
 #include "fsdp_param_group.h"
 #include "fsdp_state.h"
@@ -406,6 +407,7 @@ void regather_unsharded(const std::vector<Target>& targets) {
 // --- model ------------------------------------------------------------------
 
 StateDict get_model_state_dict(torch::nn::Module& model, const StateDictOptions& options) {
+  const collectives::CollectiveLabel label("FSDP::get_model_state_dict");
   Registry registry;
   const std::vector<Entry> entries = model_entries(model, registry, /*loading=*/false);
   const DeviceMesh* mesh = options.cpu_offload ? model_mesh(entries) : nullptr;
@@ -442,6 +444,7 @@ StateDict get_model_state_dict(torch::nn::Module& model, const StateDictOptions&
 
 IncompatibleKeys set_model_state_dict(torch::nn::Module& model, const StateDict& state_dict,
                                       const StateDictOptions& options) {
+  const collectives::CollectiveLabel label("FSDP::set_model_state_dict");
   constexpr const char* kWhat = "set_model_state_dict";
   Registry registry;
   const std::vector<Entry> entries = model_entries(model, registry, /*loading=*/true);
@@ -703,6 +706,7 @@ void apply_group_state(OptimKind kind, torch::optim::OptimizerOptions& options, 
 
 OptimizerStateDict get_optimizer_state_dict(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
                                             const StateDictOptions& options) {
+  const collectives::CollectiveLabel label("FSDP::get_optimizer_state_dict");
   constexpr const char* kWhat = "get_optimizer_state_dict";
   const OptimKind kind = optim_kind(optimizer, kWhat);
   Registry registry;
@@ -764,6 +768,7 @@ OptimizerStateDict get_optimizer_state_dict(torch::nn::Module& model, torch::opt
 
 IncompatibleKeys set_optimizer_state_dict(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
                                           const OptimizerStateDict& state_dict, const StateDictOptions& options) {
+  const collectives::CollectiveLabel label("FSDP::set_optimizer_state_dict");
   constexpr const char* kWhat = "set_optimizer_state_dict";
   const OptimKind kind = optim_kind(optimizer, kWhat);
   Registry registry;
