@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <array>
 #include <cerrno>
+#include <cmath>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -30,12 +31,17 @@ namespace {
 
 // The environment of rank `rank`: this process's, with torchrun's variables
 // set for the rank. Built before fork, so the child only calls execve.
-std::vector<std::string> rank_environment(int rank, int nproc, int port,
+std::vector<std::string> rank_environment(int rank, int nproc, int port, int attempt, int max_restarts,
                                           const std::map<std::string, std::string>& extra) {
   std::map<std::string, std::string> ours = {
-      {"RANK", std::to_string(rank)},       {"WORLD_SIZE", std::to_string(nproc)},
-      {"LOCAL_RANK", std::to_string(rank)}, {"LOCAL_WORLD_SIZE", std::to_string(nproc)},
-      {"MASTER_ADDR", "127.0.0.1"},         {"MASTER_PORT", std::to_string(port)},
+      {"RANK", std::to_string(rank)},
+      {"WORLD_SIZE", std::to_string(nproc)},
+      {"LOCAL_RANK", std::to_string(rank)},
+      {"LOCAL_WORLD_SIZE", std::to_string(nproc)},
+      {"MASTER_ADDR", "127.0.0.1"},
+      {"MASTER_PORT", std::to_string(port)},
+      {kRestartCountEnv, std::to_string(attempt)},
+      {kMaxRestartsEnv, std::to_string(max_restarts)},
   };
   for (const auto& [key, value] : extra) ours[key] = value;
   std::vector<std::string> env;
@@ -198,6 +204,153 @@ class ForwardStopSignals {
   std::array<struct sigaction, 3> previous_{};
 };
 
+// How one attempt of the group ended.
+struct AttemptResult {
+  // 0 when every rank exited with 0; else the first failure's exit status
+  // (128 + signal when killed by one, or for a stop signal passed on).
+  int status = 0;
+  // The rank whose failure ended the attempt; -1 when none did (success, a
+  // stop signal to the launcher, or the launcher's own failure to start a
+  // rank), and then there is nothing to restart.
+  int failed_rank = -1;
+  // The signal that killed failed_rank, or 0 when it exited.
+  int signal = 0;
+};
+
+std::string describe_failure(const AttemptResult& result) {
+  if (result.signal != 0) {
+    return "was killed by signal " + std::to_string(result.signal) + " (" + strsignal(result.signal) + ")";
+  }
+  return "failed with exit code " + std::to_string(result.status);
+}
+
+// Starts the ranks of attempt `attempt` (0 first) and waits for all of them;
+// after the first failure the others are stopped. Every attempt has its own
+// MASTER_PORT: rank 0 of the new attempt hosts a new store, so no rank ever
+// reads a key a rank of an earlier attempt wrote (torchrun gets the same
+// from its per-attempt store prefix).
+AttemptResult run_attempt(const LaunchOptions& options, const std::string& path, const std::vector<std::string>& args,
+                          int attempt) {
+  const char* name = options.name.c_str();
+  AttemptResult result;
+  const int port = free_port();
+  if (port < 0) {
+    std::fprintf(stderr, "%s: cannot find a free port on 127.0.0.1: %s\n", name, std::strerror(errno));
+    result.status = 1;
+    return result;
+  }
+  const std::vector<char*> argv = c_strings(args);
+  const pid_t self = ::getpid();
+  std::fflush(stdout);
+  std::fflush(stderr);
+
+  std::map<pid_t, int> running;  // pid -> rank
+  std::vector<OutputStream> streams;
+  int& first_failure = result.status;
+  for (int r = 0; r < options.nproc && g_stop_signal == 0; ++r) {
+    const std::vector<std::string> env =
+        rank_environment(r, options.nproc, port, attempt, options.max_restarts, options.extra_env);
+    const std::vector<char*> envp = c_strings(env);
+    int out_pipe[2] = {-1, -1}, err_pipe[2] = {-1, -1};
+    if (options.prefix_output && (::pipe2(out_pipe, O_CLOEXEC) != 0 || ::pipe2(err_pipe, O_CLOEXEC) != 0)) {
+      std::fprintf(stderr, "%s: pipe for rank %d failed: %s\n", name, r, std::strerror(errno));
+      first_failure = 1;
+      break;
+    }
+    const pid_t pid = ::fork();
+    if (pid == 0) exec_rank(self, path.c_str(), argv.data(), envp.data(), out_pipe[1], err_pipe[1]);
+    if (options.prefix_output) {
+      ::close(out_pipe[1]);
+      ::close(err_pipe[1]);
+    }
+    if (pid < 0) {
+      std::fprintf(stderr, "%s: fork of rank %d failed: %s\n", name, r, std::strerror(errno));
+      if (options.prefix_output) {
+        ::close(out_pipe[0]);
+        ::close(err_pipe[0]);
+      }
+      first_failure = 1;
+      break;
+    }
+    running[pid] = r;
+    if (options.prefix_output) {
+      const std::string prefix = "[rank" + std::to_string(r) + "] ";
+      streams.push_back(OutputStream{out_pipe[0], STDOUT_FILENO, prefix, {}});
+      streams.push_back(OutputStream{err_pipe[0], STDERR_FILENO, prefix, {}});
+    }
+  }
+
+  // After the first failure the others are stopped: they would otherwise wait
+  // for the failed rank in a collective until their timeout.
+  auto kill_all = [&running](int sig) {
+    for (const auto& [pid, rank] : running) ::kill(pid, sig);
+  };
+  if (first_failure != 0) kill_all(SIGTERM);
+  auto deadline = std::chrono::steady_clock::now() + options.grace_period;
+  bool killed = false, stopping = false;
+  while (!running.empty() || (g_stop_signal != 0 && !stopping)) {
+    poll_streams(streams, 20);
+    if (const int sig = g_stop_signal; sig != 0 && !stopping) {
+      stopping = true;
+      std::fprintf(stderr, "%s: got signal %d (%s); stopping the ranks\n", name, sig, strsignal(sig));
+      // The caller sees g_stop_signal and does not restart.
+      if (first_failure == 0) first_failure = 128 + sig;
+      kill_all(sig);
+      deadline = std::chrono::steady_clock::now() + options.grace_period;
+      continue;
+    }
+    int status = 0;
+    const pid_t pid = ::waitpid(-1, &status, WNOHANG);
+    if (pid < 0) {
+      if (errno == EINTR) continue;
+      break;
+    }
+    if (pid == 0) {
+      if (first_failure != 0 && !killed && std::chrono::steady_clock::now() > deadline) {
+        kill_all(SIGKILL);
+        killed = true;
+      }
+      continue;
+    }
+    auto it = running.find(pid);
+    if (it == running.end()) continue;
+    const int rank = it->second;
+    running.erase(it);
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 0) continue;
+    if (first_failure != 0) continue;  // stopped by us, or failing for the same reason
+    first_failure = exit_code_of(status);
+    if (first_failure == 0) first_failure = 1;
+    result.failed_rank = rank;
+    result.signal = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
+    // The failed rank's last words come before the launcher's verdict.
+    poll_streams(streams, 0);
+    std::fprintf(stderr, "%s: rank %d %s; stopping the other ranks\n", name, rank,
+                 result.signal != 0 ? describe_failure(result).c_str()
+                                    : ("exited with code " + std::to_string(first_failure)).c_str());
+    kill_all(SIGTERM);
+    deadline = std::chrono::steady_clock::now() + options.grace_period;
+  }
+  // What the ranks wrote last. A process the ranks started may still hold a
+  // pipe open: give up on it after a moment rather than wait for it.
+  const auto drain_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  for (;;) {
+    bool open = false;
+    for (const auto& s : streams) open = open || s.fd >= 0;
+    if (!open) break;
+    if (std::chrono::steady_clock::now() > drain_deadline) {
+      for (auto& s : streams) {
+        if (s.fd < 0) continue;
+        ::close(s.fd);
+        s.fd = -1;
+        s.emit_lines(/*at_eof=*/true);
+      }
+      break;
+    }
+    poll_streams(streams, 20);
+  }
+  return result;
+}
+
 bool parse_positive_int(const std::string& text, int* out) {
   if (text.empty() || text.size() > 9) return false;
   for (char c : text) {
@@ -244,6 +397,10 @@ int launch_local_ranks(const LaunchOptions& options) {
     std::fprintf(stderr, "%s: the number of ranks must be >= 1 (got %d)\n", name, options.nproc);
     return 2;
   }
+  if (options.max_restarts < 0) {
+    std::fprintf(stderr, "%s: the number of restarts must be >= 0 (got %d)\n", name, options.max_restarts);
+    return 2;
+  }
   const std::string path = options.program.empty() ? "/proc/self/exe" : resolve_program(options.program);
   if (path.empty()) {
     std::fprintf(stderr, "%s: cannot run '%s': %s\n", name, options.program.c_str(),
@@ -251,127 +408,32 @@ int launch_local_ranks(const LaunchOptions& options) {
                                                                 : "not found in PATH (give a path, e.g. ./prog)");
     return 127;
   }
-  const int port = free_port();
-  if (port < 0) {
-    std::fprintf(stderr, "%s: cannot find a free port on 127.0.0.1: %s\n", name, std::strerror(errno));
-    return 1;
-  }
   const std::vector<std::string> args =
       options.args.empty() ? std::vector<std::string>{options.program.empty() ? path : options.program} : options.args;
-  const std::vector<char*> argv = c_strings(args);
-  const pid_t self = ::getpid();
-  std::fflush(stdout);
-  std::fflush(stderr);
 
+  // One handler for all attempts, so that a stop signal that arrives between
+  // two attempts is seen too and ends the job instead of restarting it.
   const ForwardStopSignals forward_stop_signals;
-  std::map<pid_t, int> running;  // pid -> rank
-  std::vector<OutputStream> streams;
-  int first_failure = 0;
-  for (int r = 0; r < options.nproc; ++r) {
-    const std::vector<std::string> env = rank_environment(r, options.nproc, port, options.extra_env);
-    const std::vector<char*> envp = c_strings(env);
-    int out_pipe[2] = {-1, -1}, err_pipe[2] = {-1, -1};
-    if (options.prefix_output && (::pipe2(out_pipe, O_CLOEXEC) != 0 || ::pipe2(err_pipe, O_CLOEXEC) != 0)) {
-      std::fprintf(stderr, "%s: pipe for rank %d failed: %s\n", name, r, std::strerror(errno));
-      first_failure = 1;
-      break;
-    }
-    const pid_t pid = ::fork();
-    if (pid == 0) exec_rank(self, path.c_str(), argv.data(), envp.data(), out_pipe[1], err_pipe[1]);
-    if (options.prefix_output) {
-      ::close(out_pipe[1]);
-      ::close(err_pipe[1]);
-    }
-    if (pid < 0) {
-      std::fprintf(stderr, "%s: fork of rank %d failed: %s\n", name, r, std::strerror(errno));
-      if (options.prefix_output) {
-        ::close(out_pipe[0]);
-        ::close(err_pipe[0]);
+  for (int attempt = 0;; ++attempt) {
+    const AttemptResult result = run_attempt(options, path, args, attempt);
+    if (result.status == 0 || result.failed_rank < 0 || g_stop_signal != 0) return result.status;
+    const std::string failure = describe_failure(result);
+    if (attempt == options.max_restarts) {
+      if (options.max_restarts > 0) {
+        std::fprintf(stderr, "%s: rank %d %s; no restarts left (%d attempts, --max-restarts %d)\n", name,
+                     result.failed_rank, failure.c_str(), attempt + 1, options.max_restarts);
       }
-      first_failure = 1;
-      break;
+      return result.status;
     }
-    running[pid] = r;
-    if (options.prefix_output) {
-      const std::string prefix = "[rank" + std::to_string(r) + "] ";
-      streams.push_back(OutputStream{out_pipe[0], STDOUT_FILENO, prefix, {}});
-      streams.push_back(OutputStream{err_pipe[0], STDERR_FILENO, prefix, {}});
-    }
+    std::fprintf(stderr, "%s: rank %d %s; restarting the group (restart %d of %d)\n", name, result.failed_rank,
+                 failure.c_str(), attempt + 1, options.max_restarts);
   }
-
-  // After the first failure the others are stopped: they would otherwise wait
-  // for the failed rank in a collective until their timeout.
-  auto kill_all = [&running](int sig) {
-    for (const auto& [pid, rank] : running) ::kill(pid, sig);
-  };
-  if (first_failure != 0) kill_all(SIGTERM);
-  auto deadline = std::chrono::steady_clock::now() + options.grace_period;
-  bool killed = false, stopping = false;
-  while (!running.empty()) {
-    poll_streams(streams, 20);
-    if (const int sig = g_stop_signal; sig != 0 && !stopping) {
-      stopping = true;
-      std::fprintf(stderr, "%s: got signal %d (%s); stopping the ranks\n", name, sig, strsignal(sig));
-      if (first_failure == 0) first_failure = 128 + sig;
-      kill_all(sig);
-      deadline = std::chrono::steady_clock::now() + options.grace_period;
-    }
-    int status = 0;
-    const pid_t pid = ::waitpid(-1, &status, WNOHANG);
-    if (pid < 0) {
-      if (errno == EINTR) continue;
-      break;
-    }
-    if (pid == 0) {
-      if (first_failure != 0 && !killed && std::chrono::steady_clock::now() > deadline) {
-        kill_all(SIGKILL);
-        killed = true;
-      }
-      continue;
-    }
-    auto it = running.find(pid);
-    if (it == running.end()) continue;
-    const int rank = it->second;
-    running.erase(it);
-    if (WIFEXITED(status) && WEXITSTATUS(status) == 0) continue;
-    if (first_failure != 0) continue;  // stopped by us, or failing for the same reason
-    first_failure = exit_code_of(status);
-    if (first_failure == 0) first_failure = 1;
-    // The failed rank's last words come before the launcher's verdict.
-    poll_streams(streams, 0);
-    if (WIFSIGNALED(status)) {
-      std::fprintf(stderr, "%s: rank %d was killed by signal %d (%s); stopping the other ranks\n", name, rank,
-                   WTERMSIG(status), strsignal(WTERMSIG(status)));
-    } else {
-      std::fprintf(stderr, "%s: rank %d exited with code %d; stopping the other ranks\n", name, rank, first_failure);
-    }
-    kill_all(SIGTERM);
-    deadline = std::chrono::steady_clock::now() + options.grace_period;
-  }
-  // What the ranks wrote last. A process the ranks started may still hold a
-  // pipe open: give up on it after a moment rather than wait for it.
-  const auto drain_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
-  for (;;) {
-    bool open = false;
-    for (const auto& s : streams) open = open || s.fd >= 0;
-    if (!open) break;
-    if (std::chrono::steady_clock::now() > drain_deadline) {
-      for (auto& s : streams) {
-        if (s.fd < 0) continue;
-        ::close(s.fd);
-        s.fd = -1;
-        s.emit_lines(/*at_eof=*/true);
-      }
-      break;
-    }
-    poll_streams(streams, 20);
-  }
-  return first_failure;
 }
 
-int launch_local_ranks(int nproc, const std::vector<std::string>& args) {
+int launch_local_ranks(int nproc, const std::vector<std::string>& args, int max_restarts) {
   LaunchOptions options;
   options.nproc = nproc;
+  options.max_restarts = max_restarts;
   options.args = args;
   options.prefix_output = false;
   options.name = args.empty() ? "fsdp::launch" : args[0].substr(args[0].rfind('/') + 1);
@@ -444,6 +506,18 @@ std::optional<int> maybe_launch_local(int& argc, char** argv) {
   options.args.insert(options.args.end(), rest.begin(), rest.end());
   options.name = name;
   return launch_local_ranks(options);
+}
+
+double parse_timeout_seconds(const std::string& text, const std::string& what) {
+  // strtod's whole-string rule, without its leading spaces, hex or "inf".
+  const bool plain = !text.empty() && text.find_first_not_of("0123456789.eE+-") == std::string::npos;
+  char* end = nullptr;
+  errno = 0;
+  const double seconds = plain ? std::strtod(text.c_str(), &end) : 0.0;
+  if (!plain || end != text.c_str() + text.size() || errno == ERANGE || !std::isfinite(seconds) || !(seconds > 0)) {
+    throw std::invalid_argument(what + " must be a number of seconds > 0, e.g. 600 or 1.5 (got '" + text + "')");
+  }
+  return seconds;
 }
 
 MeshShape parse_mesh(const std::string& text, const std::string& what) {

@@ -6,6 +6,10 @@
 //   launch_probe exit RANK CODE        rank RANK exits with CODE, the others wait
 //   launch_probe signal RANK SIGNAL    rank RANK kills itself with SIGNAL, the others wait
 //   launch_probe self [--nproc N] ...  fsdp::launch::maybe_launch_local, then print
+//   launch_probe attempt RANK CODE K   every rank prints its restart attempt, MASTER_PORT and
+//                                      collective timeout; on attempts 0..K-1 rank RANK then
+//                                      exits with CODE (kills itself with signal -CODE when
+//                                      CODE < 0) while the others wait; attempt K on succeeds
 //
 // A waiting rank gives up after 60 s, so a launcher that does not stop it
 // shows up as a slow test, not a hung one.
@@ -62,6 +66,22 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
     if (mode == "exit") return std::atoi(argv[3]);
     ::raise(std::atoi(argv[3]));
+    return 4;
+  }
+  if (mode == "attempt" && argc == 5) {
+    const int attempt = std::atoi(env(fsdp::launch::kRestartCountEnv).c_str());
+    std::printf("attempt=%s max=%s port=%s timeout=%s\n", env(fsdp::launch::kRestartCountEnv).c_str(),
+                env(fsdp::launch::kMaxRestartsEnv).c_str(), env("MASTER_PORT").c_str(),
+                env(fsdp::launch::kCollectiveTimeoutEnv).c_str());
+    std::fflush(stdout);
+    if (attempt >= std::atoi(argv[4])) return 0;
+    if (rank != std::atoi(argv[2])) return wait_to_be_stopped();
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    std::printf("failing now\n");
+    std::fflush(stdout);
+    const int code = std::atoi(argv[3]);
+    if (code >= 0) return code;
+    ::raise(-code);
     return 4;
   }
   if (mode == "self") {

@@ -10,8 +10,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
-
+#include <cstdio>
 #include <regex>
 #include <set>
 #include <string>
@@ -53,6 +54,7 @@ void expect_rank_lines(const RunResult& r, int n, const std::string& mesh) {
 
 const std::string kFsdprun = FSDPRUN_BINARY;
 const std::string kProbe = LAUNCH_PROBE_BINARY;
+const std::string kLoop = RESTARTABLE_LOOP_BINARY;
 
 class FsdprunRanks : public ::testing::TestWithParam<int> {};
 
@@ -120,6 +122,17 @@ TEST(Fsdprun, FlagErrorsNameTheProblem) {
       {{"--nproc", "4", "--mesh", "0x4", "--", kProbe}, "(got '0x4')"},
       {{"--nproc", "4", "--mesh", "2x3", "--", kProbe}, "fsdprun: --mesh 2x3 needs 6 ranks, but --nproc is 4"},
       {{"--nprocs", "4", "--", kProbe}, "fsdprun: unknown flag '--nprocs'"},
+      {{"--nproc", "2", "--max-restarts", "-1", "--", kProbe},
+       "fsdprun: --max-restarts must be an integer >= 0 (got '-1')"},
+      {{"--nproc", "2", "--max-restarts=x", "--", kProbe}, "fsdprun: --max-restarts must be an integer >= 0 (got 'x')"},
+      {{"--nproc", "2", "--max-restarts", "--", kProbe}, "fsdprun: --max-restarts needs a value"},
+      {{"--nproc", "2", "--collective-timeout", "0", "--", kProbe},
+       "fsdprun: --collective-timeout must be a number of seconds > 0, e.g. 600 or 1.5 (got '0')"},
+      {{"--nproc", "2", "--collective-timeout=-5", "--", kProbe}, "(got '-5')"},
+      {{"--nproc", "2", "--collective-timeout", "ten", "--", kProbe}, "(got 'ten')"},
+      {{"--nproc", "2", "--collective-timeout", "nan", "--", kProbe}, "(got 'nan')"},
+      {{"--nproc", "2", "--collective-timeout", "1e999", "--", kProbe}, "(got '1e999')"},
+      {{"--nproc", "2", "--collective-timeout", "--", kProbe}, "fsdprun: --collective-timeout needs a value"},
   };
   for (const Case& c : cases) {
     std::vector<std::string> args = {kFsdprun};
@@ -162,47 +175,270 @@ TEST(LaunchLocalRanks, RankThatIgnoresSigtermIsKilledAfterTheGracePeriod) {
   EXPECT_LT(r.seconds, 60.0) << describe(r);
 }
 
-// SIGTERM to fsdprun reaches the ranks (they stop at once instead of
-// sleeping 60 s) and fsdprun exits with 128 + SIGTERM.
-TEST(LaunchLocalRanks, StopSignalToTheLauncherIsPassedOnToTheRanks) {
+// Starts fsdprun with `args`, sends it `sig` once every rank printed
+// "waiting", and returns how it ended.
+RunResult stop_fsdprun_when_ranks_wait(std::vector<std::string> args, int nproc, int sig) {
+  RunResult result;
   int out_fds[2], err_fds[2];
-  ASSERT_EQ(::pipe2(out_fds, O_CLOEXEC), 0);
-  ASSERT_EQ(::pipe2(err_fds, O_CLOEXEC), 0);
+  if (::pipe2(out_fds, O_CLOEXEC) != 0 || ::pipe2(err_fds, O_CLOEXEC) != 0) return result;
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
   posix_spawn_file_actions_adddup2(&actions, out_fds[1], STDOUT_FILENO);
   posix_spawn_file_actions_adddup2(&actions, err_fds[1], STDERR_FILENO);
-  std::vector<std::string> args = {kFsdprun, "--nproc", "2", "--", kProbe, "exit", "99", "0"};
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
   pid_t pid = -1;
-  ASSERT_EQ(::posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ), 0);
+  const int rc = ::posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ);
   posix_spawn_file_actions_destroy(&actions);
   ::close(out_fds[1]);
   ::close(err_fds[1]);
+  if (rc != 0) return result;
   const auto start = std::chrono::steady_clock::now();
-  // Both ranks are up once both said so.
-  std::string out;
+  // All ranks are up once all said so.
+  auto all_wait = [nproc](const std::string& out) {
+    for (int r = 0; r < nproc; ++r) {
+      if (out.find("[rank" + std::to_string(r) + "] waiting") == std::string::npos) return false;
+    }
+    return true;
+  };
   char buffer[256];
-  while (out.find("[rank0] waiting") == std::string::npos || out.find("[rank1] waiting") == std::string::npos) {
+  while (!all_wait(result.out)) {
     const ssize_t n = ::read(out_fds[0], buffer, sizeof(buffer));
-    ASSERT_GT(n, 0) << out;
-    out.append(buffer, static_cast<size_t>(n));
+    if (n <= 0) break;
+    result.out.append(buffer, static_cast<size_t>(n));
   }
-  ASSERT_EQ(::kill(pid, SIGTERM), 0);
-  out += fsdp_launch_test::read_all(out_fds[0]);
-  const std::string err = fsdp_launch_test::read_all(err_fds[0]);
+  ::kill(pid, sig);
+  result.out += fsdp_launch_test::read_all(out_fds[0]);
+  result.err = fsdp_launch_test::read_all(err_fds[0]);
   ::close(out_fds[0]);
   ::close(err_fds[0]);
   int status = 0;
-  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  ASSERT_TRUE(WIFEXITED(status)) << "fsdprun itself was killed\n" << out << err;
-  EXPECT_EQ(WEXITSTATUS(status), 128 + SIGTERM) << out << err;
-  EXPECT_LT(seconds, 30.0) << out << err;
-  EXPECT_NE(err.find("fsdprun: got signal 15 (Terminated); stopping the ranks"), std::string::npos) << err;
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  // -1: fsdprun itself was killed, which it must never be by these signals.
+  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return result;
 }
+
+// SIGTERM to fsdprun reaches the ranks (they stop at once instead of
+// sleeping 60 s) and fsdprun exits with 128 + SIGTERM.
+TEST(LaunchLocalRanks, StopSignalToTheLauncherIsPassedOnToTheRanks) {
+  const RunResult r =
+      stop_fsdprun_when_ranks_wait({kFsdprun, "--nproc", "2", "--", kProbe, "exit", "99", "0"}, 2, SIGTERM);
+  EXPECT_EQ(r.exit_code, 128 + SIGTERM) << describe(r);
+  EXPECT_LT(r.seconds, 30.0) << describe(r);
+  EXPECT_NE(r.err.find("fsdprun: got signal 15 (Terminated); stopping the ranks"), std::string::npos) << describe(r);
+}
+
+// Restarts are for ranks that fail, never for a job its user stops.
+TEST(Restarts, StopSignalToTheLauncherNeverRestarts) {
+  for (const int sig : {SIGTERM, SIGINT}) {
+    const RunResult r = stop_fsdprun_when_ranks_wait(
+        {kFsdprun, "--nproc", "2", "--max-restarts", "3", "--", kProbe, "attempt", "99", "1", "1000"}, 2, sig);
+    EXPECT_EQ(r.exit_code, 128 + sig) << describe(r);
+    EXPECT_LT(r.seconds, 30.0) << describe(r);
+    EXPECT_EQ(r.err.find("restarting"), std::string::npos) << describe(r);
+    for (int rank = 0; rank < 2; ++rank) {
+      EXPECT_EQ(lines_of_rank(r.out, rank).size(), 2u) << "one attempt: its line and 'waiting'\n" << describe(r);
+    }
+  }
+}
+
+// The "attempt=A max=M port=P timeout=T" lines rank `rank` printed, as
+// {A, M, P, T} each.
+std::vector<std::vector<std::string>> attempt_lines(const RunResult& r, int rank) {
+  std::vector<std::vector<std::string>> out;
+  const std::regex line("attempt=(\\S+) max=(\\S+) port=(\\S+) timeout=(\\S+)");
+  for (const auto& text : lines_of_rank(r.out, rank)) {
+    std::smatch m;
+    if (std::regex_match(text, m, line)) out.push_back({m[1], m[2], m[3], m[4]});
+  }
+  return out;
+}
+
+size_t count(const std::string& text, const std::string& what) {
+  size_t n = 0;
+  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+
+class RestartsAtWorldSize : public ::testing::TestWithParam<int> {};
+
+// torchrun's behaviour: rank 1 fails on the first attempt, every rank is
+// stopped, and the whole group starts again with TORCHELASTIC_RESTART_COUNT=1
+// and a new MASTER_PORT (a fresh store), and this time all succeed.
+TEST_P(RestartsAtWorldSize, GroupThatFailsOnceSucceedsOnTheSecondAttempt) {
+  const int n = GetParam();
+  const int failing = n - 1;
+  const RunResult r = run({kFsdprun, "--nproc", std::to_string(n), "--max-restarts", "1", "--", kProbe, "attempt",
+                           std::to_string(failing), "1", "1"});
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  EXPECT_NE(r.err.find("fsdprun: rank " + std::to_string(failing) +
+                       " failed with exit code 1; restarting the group (restart 1 of 1)"),
+            std::string::npos)
+      << describe(r);
+  EXPECT_EQ(count(r.err, "restarting the group"), 1u) << describe(r);
+  const auto failed = attempt_lines(r, failing);
+  ASSERT_EQ(failed.size(), 2u) << describe(r);
+  EXPECT_EQ(failed[0][0], "0");
+  EXPECT_EQ(failed[1][0], "1");
+  EXPECT_NE(failed[0][2], failed[1][2]) << "each attempt must rendezvous at its own port\n" << describe(r);
+  for (int rank = 0; rank < n; ++rank) {
+    const auto lines = attempt_lines(r, rank);
+    ASSERT_FALSE(lines.empty()) << describe(r);
+    // The last attempt ran every rank, with the same port for all of them.
+    EXPECT_EQ(lines.back(), (std::vector<std::string>{"1", "1", failed[1][2], "<unset>"})) << describe(r);
+  }
+  EXPECT_EQ(count(r.out, "failing now"), 1u) << describe(r);
+}
+
+// The same failure without restarts ends the job, as before restarts existed.
+TEST_P(RestartsAtWorldSize, WithoutRestartsTheFirstFailureEndsTheJob) {
+  const int n = GetParam();
+  for (const bool flag : {true, false}) {
+    std::vector<std::string> args = {kFsdprun, "--nproc", std::to_string(n)};
+    if (flag) args.insert(args.end(), {"--max-restarts", "0"});
+    args.insert(args.end(), {"--", kProbe, "attempt", "0", "1", "1"});
+    const RunResult r = run(args);
+    EXPECT_EQ(r.exit_code, 1) << describe(r);
+    EXPECT_EQ(r.err.find("restart"), std::string::npos) << describe(r);
+    const auto lines = attempt_lines(r, 0);
+    ASSERT_EQ(lines.size(), 1u) << describe(r);
+    EXPECT_EQ(lines[0][0], "0") << "TORCHELASTIC_RESTART_COUNT is set even without restarts, as torchrun does";
+    EXPECT_EQ(lines[0][1], "0") << describe(r);
+  }
+}
+
+// --max-restarts 2: three attempts, then the failing rank's status.
+TEST_P(RestartsAtWorldSize, GroupThatAlwaysFailsRunsOneAttemptPerRestartAndExitsWithItsStatus) {
+  const int n = GetParam();
+  const RunResult r =
+      run({kFsdprun, "--nproc", std::to_string(n), "--max-restarts", "2", "--", kProbe, "attempt", "0", "7", "1000"});
+  EXPECT_EQ(r.exit_code, 7) << describe(r);
+  const auto lines = attempt_lines(r, 0);
+  ASSERT_EQ(lines.size(), 3u) << describe(r);
+  for (int a = 0; a < 3; ++a) {
+    EXPECT_EQ(lines[a][0], std::to_string(a)) << describe(r);
+    EXPECT_EQ(lines[a][1], "2") << describe(r);
+  }
+  EXPECT_EQ(count(r.out, "[rank0] failing now"), 3u) << describe(r);
+  EXPECT_NE(r.err.find("fsdprun: rank 0 failed with exit code 7; restarting the group (restart 1 of 2)"),
+            std::string::npos)
+      << describe(r);
+  EXPECT_NE(r.err.find("fsdprun: rank 0 failed with exit code 7; restarting the group (restart 2 of 2)"),
+            std::string::npos)
+      << describe(r);
+  EXPECT_NE(r.err.find("fsdprun: rank 0 failed with exit code 7; no restarts left (3 attempts, --max-restarts 2)"),
+            std::string::npos)
+      << describe(r);
+  EXPECT_EQ(count(r.err, "restarting the group"), 2u) << describe(r);
+  // Each attempt's waiting ranks were stopped, not waited for (60 s each).
+  EXPECT_LT(r.seconds, 60.0) << describe(r);
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, RestartsAtWorldSize, ::testing::Values(1, 2, 3));
+
+// A rank killed by a signal (a segfault, the OOM killer) is a failure too.
+TEST(Restarts, RankKilledBySignalRestartsTheGroup) {
+  const RunResult r = run(
+      {kFsdprun, "--nproc", "2", "--max-restarts", "1", "--", kProbe, "attempt", "1", std::to_string(-SIGKILL), "1"});
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  EXPECT_NE(r.err.find("fsdprun: rank 1 was killed by signal 9 (Killed); restarting the group (restart 1 of 1)"),
+            std::string::npos)
+      << describe(r);
+}
+
+// The library's form, as the trainer's --nproc uses it.
+TEST(Restarts, LaunchLocalRanksRestartsUpToMaxRestarts) {
+  fsdp::launch::LaunchOptions options;
+  options.nproc = 2;
+  options.program = "/bin/sh";
+  options.args = {"sh", "-c", "[ \"$TORCHELASTIC_RESTART_COUNT\" = 2 ] || [ \"$RANK\" = 0 ] || exit 9"};
+  options.prefix_output = false;
+  options.max_restarts = 2;
+  EXPECT_EQ(fsdp::launch::launch_local_ranks(options), 0);
+  options.max_restarts = 1;
+  EXPECT_EQ(fsdp::launch::launch_local_ranks(options), 9);
+  options.max_restarts = -1;
+  EXPECT_EQ(fsdp::launch::launch_local_ranks(options), 2);
+}
+
+TEST(CollectiveTimeout, FlagReachesEveryRanksEnvironment) {
+  RunResult r = run({kFsdprun, "--nproc", "2", "--collective-timeout", "90", "--", kProbe, "attempt", "0", "0", "0"});
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  for (int rank = 0; rank < 2; ++rank) {
+    const auto lines = attempt_lines(r, rank);
+    ASSERT_EQ(lines.size(), 1u) << describe(r);
+    EXPECT_EQ(lines[0][3], "90") << describe(r);
+  }
+  r = run({kFsdprun, "--nproc=1", "--collective-timeout=2.5", "--", kProbe, "attempt", "0", "0", "0"});
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  ASSERT_EQ(attempt_lines(r, 0).size(), 1u) << describe(r);
+  EXPECT_EQ(attempt_lines(r, 0)[0][3], "2.5") << describe(r);
+  // Without the flag, the variable the user exported reaches the ranks as it is.
+  r = run({kFsdprun, "--nproc", "1", "--", kProbe, "attempt", "0", "0", "0"},
+          {{"FSDP2CPP_COLLECTIVE_TIMEOUT_S", "45"}});
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  ASSERT_EQ(attempt_lines(r, 0).size(), 1u) << describe(r);
+  EXPECT_EQ(attempt_lines(r, 0)[0][3], "45") << describe(r);
+}
+
+TEST(CollectiveTimeout, ParseTimeoutSecondsAcceptsPositiveNumbersOnly) {
+  EXPECT_EQ(fsdp::launch::parse_timeout_seconds("600"), 600.0);
+  EXPECT_EQ(fsdp::launch::parse_timeout_seconds("0.25"), 0.25);
+  EXPECT_EQ(fsdp::launch::parse_timeout_seconds("1e3"), 1000.0);
+  for (const std::string bad : {"", "0", "-1", "+", "1s", " 5", "inf", "nan", "0x10", "1e999", "1..2"}) {
+    EXPECT_THROW(fsdp::launch::parse_timeout_seconds(bad), std::invalid_argument) << bad;
+  }
+  try {
+    fsdp::launch::parse_timeout_seconds("soon", "FSDP2CPP_COLLECTIVE_TIMEOUT_S");
+    ADD_FAILURE() << "no exception";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "FSDP2CPP_COLLECTIVE_TIMEOUT_S must be a number of seconds > 0, e.g. 600 or 1.5 (got 'soon')");
+  }
+}
+
+// A user's loop that saves its progress every step (restartable_loop.cc):
+// rank 1 dies at step 5 of 8 on the first attempt, fsdprun restarts the
+// group, the loop resumes from its checkpoint, and the result is that of a
+// run that never failed. Real Gloo collectives, so the restarted group's
+// rendezvous (a fresh store) is exercised too.
+class ResumeAtWorldSize : public ::testing::TestWithParam<int> {};
+
+TEST_P(ResumeAtWorldSize, RestartedLoopResumesFromItsCheckpointAndEndsAsAnUninterruptedRun) {
+  const int n = GetParam();
+  char tmpl[] = "/tmp/fsdp2cpp_restart_XXXXXX";
+  ASSERT_NE(::mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl;
+  const std::string steps = "8";
+  const RunResult clean =
+      run({kFsdprun, "--nproc", std::to_string(n), "--", kLoop, "--steps", steps, "--checkpoint", dir + "/clean.txt"});
+  ASSERT_EQ(clean.exit_code, 0) << describe(clean);
+  const RunResult restarted = run({kFsdprun, "--nproc", std::to_string(n), "--max-restarts", "2",
+                                   "--collective-timeout", "60", "--", kLoop, "--steps", steps, "--checkpoint",
+                                   dir + "/restarted.txt", "--crash-rank", std::to_string(n - 1), "--crash-at", "5"});
+  ASSERT_EQ(restarted.exit_code, 0) << describe(restarted);
+  EXPECT_NE(restarted.err.find("; restarting the group (restart 1 of 2)"), std::string::npos) << describe(restarted);
+  EXPECT_EQ(count(restarted.err, "restarting the group"), 1u) << describe(restarted);
+  EXPECT_EQ(lines_of_rank(restarted.out, n - 1).front(), n == 1 ? "attempt 0 resumes at step 1" : "crashing at step 5")
+      << describe(restarted);
+  const std::vector<std::string> rank0 = lines_of_rank(restarted.out, 0);
+  // Steps 1-4 were saved (each save precedes a barrier), so attempt 1 starts at 5.
+  EXPECT_NE(std::find(rank0.begin(), rank0.end(), "attempt 1 resumes at step 5"), rank0.end()) << describe(restarted);
+  const std::vector<std::string> clean0 = lines_of_rank(clean.out, 0);
+  ASSERT_EQ(clean0.size(), 2u) << describe(clean);
+  EXPECT_EQ(clean0[0], "attempt 0 resumes at step 1");
+  ASSERT_EQ(clean0[1].rfind("final step=8 state=", 0), 0u) << describe(clean);
+  EXPECT_EQ(rank0.back(), clean0[1]) << describe(restarted);
+  std::remove((dir + "/clean.txt").c_str());
+  std::remove((dir + "/restarted.txt").c_str());
+  ::rmdir(dir.c_str());
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, ResumeAtWorldSize, ::testing::Values(1, 2, 3));
 
 TEST(MaybeLaunchLocal, NprocFlagStartsRanksOfThisProgramWithoutTheFlag) {
   for (const std::string& flag : {std::string("--nproc=3"), std::string("--nproc")}) {

@@ -3,6 +3,8 @@
 //
 //   fsdp_train --nproc 2                      2 local ranks on CPU (Gloo), defaults
 //   fsdp_train --nproc 4 --steps 50 --json out.json
+//   fsdp_train --nproc 4 --max-restarts 3 --save-dir runs/a --save-every 50 --resume
+//                                             a failed rank restarts all 4, from the newest checkpoint
 //   fsdp_train                                one rank (no launcher, no torchrun)
 //   torchrun --nproc-per-node 2 --no-python fsdp_train --steps 50
 //                                             torchrun starts the ranks (env://)
@@ -46,6 +48,10 @@ const fsdp_train::TrainConfig kDefaults;
 ABSL_FLAG(std::optional<int>, nproc, std::nullopt,
           "Start this many local ranks (fork + exec of this program, as torchrun would). Without it, run as the "
           "rank that RANK/WORLD_SIZE name (torchrun), or as a single rank.");
+ABSL_FLAG(int, max_restarts, 0,
+          "With --nproc: when a rank fails, stop all ranks and start them again, up to this many times "
+          "(torchrun's --max-restarts); with --save-dir, needs --resume so a restart continues from the newest "
+          "checkpoint.");
 ABSL_FLAG(int64_t, steps, kDefaults.steps, "Optimizer steps.");
 ABSL_FLAG(int64_t, global_batch, kDefaults.global_batch,
           "Sequences per step over all ranks; must be divisible by the world size.");
@@ -180,6 +186,20 @@ int main(int argc, char** argv) {
       std::getenv("RANK") == nullptr && std::getenv("SLURM_PROCID") != nullptr && env_int("SLURM_NTASKS", 1) > 1;
   const bool torchrun_rank = (std::getenv("RANK") != nullptr && std::getenv("WORLD_SIZE") != nullptr) || srun_rank;
   if (nproc && *nproc < 1) return fail("--nproc must be >= 1 (got " + std::to_string(*nproc) + ")", 2);
+  const int max_restarts = absl::GetFlag(FLAGS_max_restarts);
+  if (max_restarts < 0) return fail("--max-restarts must be >= 0 (got " + std::to_string(max_restarts) + ")", 2);
+  if (max_restarts > 0 && !nproc) {
+    return fail(
+        "--max-restarts needs --nproc (it restarts the ranks --nproc starts; under torchrun, pass "
+        "--max-restarts to torchrun and --resume to fsdp_train)",
+        2);
+  }
+  if (max_restarts > 0 && !config.save_dir.empty() && !config.resume) {
+    return fail(
+        "--max-restarts with --save-dir needs --resume, so that a restarted group continues from its newest "
+        "checkpoint instead of starting again at step 1",
+        2);
+  }
   const int world_size =
       nproc ? *nproc : (srun_rank ? env_int("SLURM_NTASKS", 1) : (torchrun_rank ? env_int("WORLD_SIZE", 1) : 1));
   const int local_ranks = nproc ? *nproc
@@ -210,7 +230,9 @@ int main(int argc, char** argv) {
     }
   }
   if (nproc) {
-    return fsdp::launch::launch_local_ranks(*nproc, fsdp_train::remove_flag(args, "nproc"));
+    // The ranks see neither flag: they are the launcher's.
+    return fsdp::launch::launch_local_ranks(
+        *nproc, fsdp_train::remove_flag(fsdp_train::remove_flag(args, "nproc"), "max_restarts"), max_restarts);
   }
 
   const std::string who = torchrun_rank ? std::string("[rank ") + std::getenv(rank_var) + "] " : "";

@@ -28,6 +28,19 @@
 // is passed on to the ranks (as torchrun does), and the launcher then
 // returns 128 + that signal. Ranks die with the launcher (PR_SET_PDEATHSIG).
 //
+// Restarts (torchrun's --max-restarts): with LaunchOptions::max_restarts = N,
+// a failed attempt (any rank exiting non-zero or killed) stops the whole
+// group as above and then starts all ranks again, up to N times, each with a
+// fresh rendezvous (a new MASTER_PORT, so rank 0 hosts a new store and no key
+// of the failed attempt is ever seen) and TORCHELASTIC_RESTART_COUNT set to
+// the attempt (0 first) and TORCHELASTIC_MAX_RESTARTS to N, as torchrun sets
+// them. A program that saves checkpoints resumes from its newest one on a
+// restart: the launcher only restarts, the program decides what to load. A
+// stop signal to the launcher never triggers a restart. The launcher prints
+//   fsdprun: rank 2 failed with exit code 1; restarting the group (restart 1 of 3)
+// before each restart, and returns the last attempt's failure status when
+// none is left.
+//
 // Linux only (fork/exec, /proc/self/exe). Not thread-safe: launch from the
 // main thread before other threads exist.
 #pragma once
@@ -45,6 +58,14 @@ namespace fsdp::launch {
 inline constexpr const char kMeshEnv[] = "FSDP2CPP_MESH";
 // The variable maybe_launch_local() reads when argv has no --nproc.
 inline constexpr const char kNprocEnv[] = "FSDP2CPP_NPROC";
+// The variable through which fsdprun's `--collective-timeout SECONDS` reaches
+// the ranks: the default timeout of every collective (CommunicatorOptions::
+// timeout) in seconds, as torchrun users set it in init_process_group.
+inline constexpr const char kCollectiveTimeoutEnv[] = "FSDP2CPP_COLLECTIVE_TIMEOUT_S";
+// What torchrun sets for every rank: the restart attempt (0, 1, ...) and
+// --max-restarts.
+inline constexpr const char kRestartCountEnv[] = "TORCHELASTIC_RESTART_COUNT";
+inline constexpr const char kMaxRestartsEnv[] = "TORCHELASTIC_MAX_RESTARTS";
 
 struct LaunchOptions {
   // Ranks to start, >= 1.
@@ -62,19 +83,29 @@ struct LaunchOptions {
   std::string name = "fsdp::launch";
   // Between SIGTERM and SIGKILL for the ranks still running after a failure.
   std::chrono::milliseconds grace_period{5000};
+  // Times the whole group is started again after a rank fails (torchrun's
+  // --max-restarts), >= 0. See "Restarts" above.
+  int max_restarts = 0;
 };
 
 // Starts `options.nproc` ranks and waits for all of them. Returns 0 when all
 // exited with 0, else the first failure's exit status (128 + signal for a
 // rank killed by a signal, or for a stop signal the launcher passed on);
 // 127 when the program cannot be found or run, 2 for bad options
-// (nproc < 1), each with a message on stderr naming the cause. Replaces the
-// handlers of SIGINT, SIGTERM and SIGHUP while the ranks run.
+// (nproc < 1, max_restarts < 0), each with a message on stderr naming the
+// cause. With max_restarts > 0 the status is that of the last attempt.
+// Replaces the handlers of SIGINT, SIGTERM and SIGHUP while the ranks run.
 int launch_local_ranks(const LaunchOptions& options);
 
 // The trainer's form: `nproc` ranks of this program with `args`, their output
-// not prefixed (they share this process's stdout and stderr).
-int launch_local_ranks(int nproc, const std::vector<std::string>& args);
+// not prefixed (they share this process's stdout and stderr), restarted up to
+// `max_restarts` times.
+int launch_local_ranks(int nproc, const std::vector<std::string>& args, int max_restarts = 0);
+
+// Parses a collective timeout in seconds (`--collective-timeout`,
+// FSDP2CPP_COLLECTIVE_TIMEOUT_S): a finite number > 0, e.g. "600" or "0.5".
+// Throws std::invalid_argument naming `what` and the text otherwise.
+double parse_timeout_seconds(const std::string& text, const std::string& what = "--collective-timeout");
 
 // For a program's main, before anything else. Returns the exit code to
 // return from main when this process was the launcher, or nullopt when it
