@@ -38,8 +38,10 @@ std::vector<int64_t> DistributedSampler::indices() const {
   std::vector<int64_t> order(dataset_size_);
   if (options_.shuffle) {
     // torch.Generator().manual_seed(seed + epoch); torch.randperm(N, generator=g).
-    // manual_seed takes a negative seed modulo 2^64, as this cast does.
-    at::Generator gen = at::detail::createCPUGenerator(static_cast<uint64_t>(options_.seed + epoch_));
+    // manual_seed takes a negative seed modulo 2^64, as this unsigned sum
+    // does (without signed overflow).
+    const uint64_t seed = static_cast<uint64_t>(options_.seed) + static_cast<uint64_t>(epoch_);
+    at::Generator gen = at::detail::createCPUGenerator(seed);
     const at::Tensor perm = at::randperm(dataset_size_, gen, at::TensorOptions().dtype(at::kLong));
     const int64_t* p = perm.data_ptr<int64_t>();
     order.assign(p, p + dataset_size_);

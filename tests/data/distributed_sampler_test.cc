@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <set>
 #include <sstream>
 #include <string>
@@ -106,6 +107,10 @@ TEST(DistributedSampler, IndicesEqualPyTorchsForEveryConfiguration) {
   // A dataset large enough for randperm's other algorithm, a large seed.
   configs.push_back({70000, 3, 2, true, 1234567, 9, false});
   configs.push_back({70000, 4, 1, true, int64_t{1} << 40, 0, true});
+  // seed + epoch past INT64_MAX (PyTorch's Python ints take it modulo 2^64)
+  // and a negative sum.
+  configs.push_back({13, 2, 1, true, std::numeric_limits<int64_t>::max(), 3, false});
+  configs.push_back({13, 2, 1, true, -9, 2, true});
 
   std::string error;
   const std::vector<std::string> lines = torch_indices(configs, &error);
