@@ -10,7 +10,8 @@
 // every n-th index from position r. Every rank gets num_samples() indices,
 // so the mean of the ranks' mean losses is the mean over all their samples.
 // Ranks with the same (dataset size, num_replicas, seed, epoch, shuffle,
-// drop_last) together read each sample once per epoch (plus the padding).
+// drop_last) together read each sample once per epoch (plus the padding, or
+// less the dropped tail). It yields indices; reading the samples is yours.
 // A rank can build any other rank's sampler: nothing is communicated.
 //
 // A training loop over epochs (examples/downstream/main.cc):
