@@ -1,6 +1,8 @@
 // A downstream program: TinyLM (tiny_lm.h) trained with fully_shard at any
 // world size, FSDP or HSDP, and checked against the same model trained
-// without sharding on the global batch. Exits 1 when they differ.
+// without sharding on the global batch. Exits 1 when they differ. Each rank
+// reads its share of a small dataset through fsdp::data::DistributedSampler
+// (PyTorch's DistributedSampler), a new shuffle each epoch.
 //
 //   tiny_lm_train --nproc 2                              2 local ranks, FSDP
 //   fsdprun --nproc 4 --mesh 2x2 -- tiny_lm_train        HSDP: 2 replicas x 2 shards
@@ -17,6 +19,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/cross_entropy_loss.h>
 #include <ATen/ops/randint.h>
+#include <ATen/ops/tensor.h>
 #include <torch/optim/adamw.h>
 #include <torch/utils.h>
 
@@ -24,19 +27,27 @@
 #include "device_mesh/device_mesh.h"
 #include "fsdp2/fully_shard.h"
 #include "fsdp2/module_call.h"
+#include "fsdp_data/distributed_sampler.h"
 #include "launch/launch.h"
 #include "tiny_lm.h"
 
 namespace {
 
-constexpr int kSteps = 4;
-constexpr int64_t kGlobalBatch = 8, kSeq = 9;
+constexpr int kEpochs = 2;
+// 12 sequences of 9 tokens; each rank takes up to 3 of its samples a step.
+constexpr int64_t kDatasetSize = 12, kBatchPerRank = 3, kSeq = 9;
 constexpr double kTolerance = 1e-5;
 
-// Global batch `step`: the same at every world size.
-at::Tensor global_batch(int64_t step, int64_t vocab) {
-  torch::manual_seed(1000 + step);
-  return at::randint(vocab, {kGlobalBatch, kSeq});
+// The dataset: the same on every rank.
+at::Tensor make_dataset(int64_t vocab) {
+  torch::manual_seed(1000);
+  return at::randint(vocab, {kDatasetSize, kSeq});
+}
+
+// The rows of `dataset` at indices[begin, begin + rows).
+at::Tensor rows_at(const at::Tensor& dataset, const std::vector<int64_t>& indices, int64_t begin, int64_t rows) {
+  const std::vector<int64_t> picked(indices.begin() + begin, indices.begin() + begin + rows);
+  return dataset.index_select(0, at::tensor(picked, at::kLong));
 }
 
 at::Tensor next_token_loss(tiny_lm::TinyLM& model, const at::Tensor& tokens) {
@@ -77,27 +88,58 @@ int main(int argc, char** argv) {
   torch::optim::AdamW reference_optim(reference->parameters(), adamw);
   auto metrics = world->new_group(world->all_ranks(), c10::kCPU);
 
-  // Every rank is a data-parallel rank (both mesh dims split the batch).
-  const int64_t rows = kGlobalBatch / world_size;
+  // This rank's samples. Every rank is a data-parallel rank (both mesh dims
+  // split the batch): num_replicas is the world size, rank the global rank.
+  const at::Tensor dataset = make_dataset(config.vocab);
+  fsdp::data::DistributedSamplerOptions sampling;
+  sampling.seed = 7;  // the same on every rank
+  fsdp::data::DistributedSampler sampler(dataset.size(0), world_size, rank, sampling);
+  if (rank == 0) {
+    std::printf("%lld samples over %d ranks: %lld per rank, up to %lld per step\n",
+                static_cast<long long>(dataset.size(0)), world_size, static_cast<long long>(sampler.num_samples()),
+                static_cast<long long>(kBatchPerRank));
+  }
+
   double worst = 0;
-  for (int step = 0; step < kSteps; ++step) {
-    const at::Tensor batch = global_batch(step, config.vocab);
+  int step = 0;
+  for (int64_t epoch = 0; epoch < kEpochs; ++epoch) {
+    sampler.set_epoch(epoch);  // a new shuffle each epoch, as in PyTorch
+    const std::vector<int64_t> mine = sampler.indices();
+    // The global batch of the unsharded reference: every rank's samples. A
+    // sampler is a function of its arguments, so any rank can compute them.
+    std::vector<int64_t> everyone;
+    for (int64_t r = 0; r < world_size; ++r) {
+      fsdp::data::DistributedSampler other(dataset.size(0), world_size, r, sampling);
+      other.set_epoch(epoch);
+      const std::vector<int64_t> theirs = other.indices();
+      everyone.insert(everyone.end(), theirs.begin(), theirs.end());
+    }
+    // Every rank has num_samples() indices, so every rank takes the same
+    // number of rows at each step and the mean of the ranks' losses is the
+    // global batch's loss.
+    for (int64_t begin = 0; begin < sampler.num_samples(); begin += kBatchPerRank, ++step) {
+      const int64_t rows = std::min(kBatchPerRank, sampler.num_samples() - begin);
+      at::Tensor loss = next_token_loss(*model, rows_at(dataset, mine, begin, rows));
+      loss.backward();
+      optim.step();
+      optim.zero_grad();
+      at::Tensor global_loss = loss.detach().clone();
+      metrics->all_reduce(global_loss, fsdp::collectives::ReduceOp::avg()).wait();
 
-    at::Tensor loss = next_token_loss(*model, batch.narrow(0, rank * rows, rows));
-    loss.backward();
-    optim.step();
-    optim.zero_grad();
-    at::Tensor global_loss = loss.detach().clone();
-    metrics->all_reduce(global_loss, fsdp::collectives::ReduceOp::avg()).wait();
+      std::vector<int64_t> global_rows;
+      for (int64_t r = 0; r < world_size; ++r) {
+        const auto first = everyone.begin() + r * sampler.num_samples() + begin;
+        global_rows.insert(global_rows.end(), first, first + rows);
+      }
+      at::Tensor expected = next_token_loss(*reference, rows_at(dataset, global_rows, 0, rows * world_size));
+      expected.backward();
+      reference_optim.step();
+      reference_optim.zero_grad();
 
-    at::Tensor expected = next_token_loss(*reference, batch);
-    expected.backward();
-    reference_optim.step();
-    reference_optim.zero_grad();
-
-    const double got = global_loss.item<double>(), want = expected.item<double>();
-    worst = std::max(worst, std::abs(got - want));
-    if (rank == 0) std::printf("step %d loss %.6f unsharded %.6f\n", step, got, want);
+      const double got = global_loss.item<double>(), want = expected.item<double>();
+      worst = std::max(worst, std::abs(got - want));
+      if (rank == 0) std::printf("step %d loss %.6f unsharded %.6f\n", step, got, want);
+    }
   }
 
   // A method other than forward reads the parameters directly: outside

@@ -44,9 +44,12 @@ TEST(Examples, FullyShardBasicTrainsAtTwoRanks) {
   EXPECT_NE(rank0.front(), rank1.front()) << describe(r);
 }
 
-// One run of tiny_lm_train: 4 steps, the sharded global loss against the
-// unsharded model's on rank 0, and the verdict line.
+// One run of tiny_lm_train: the sharded global loss against the unsharded
+// model's on rank 0 at every step, and the verdict line. The steps: 2 epochs
+// of ceil(12 / world_size) samples per rank (DistributedSampler), 3 a step.
 void expect_matches_unsharded(const RunResult& r, int world_size, const std::string& mesh) {
+  const int per_rank = (12 + world_size - 1) / world_size;
+  const int expected_steps = 2 * ((per_rank + 2) / 3);
   ASSERT_EQ(r.exit_code, 0) << describe(r);
   std::vector<std::string> lines = lines_of_rank(r.out, 0);
   const std::regex step("step ([0-9]) loss ([0-9.]+) unsharded ([0-9.]+)");
@@ -57,7 +60,7 @@ void expect_matches_unsharded(const RunResult& r, int world_size, const std::str
     ++steps;
     EXPECT_NEAR(std::stod(m[2]), std::stod(m[3]), 1e-5) << line;
   }
-  EXPECT_EQ(steps, 4) << describe(r);
+  EXPECT_EQ(steps, expected_steps) << describe(r);
   ASSERT_FALSE(lines.empty()) << describe(r);
   EXPECT_TRUE(std::regex_match(lines.back(), std::regex("OK: " + std::to_string(world_size) + " ranks, " + mesh +
                                                         ", max \\|loss - unsharded\\| = .*")))
@@ -67,6 +70,16 @@ void expect_matches_unsharded(const RunResult& r, int world_size, const std::str
 TEST(Examples, TinyLmMatchesUnshardedTrainingAtTwoRanks) {
   expect_matches_unsharded(run({TINY_LM_TRAIN_BINARY, "--nproc", "2"}), 2,
                            "DeviceMesh\\(cpu, \\[0, 1\\], dim_names=\\[\"shard\"\\]\\)");
+}
+
+// 12 samples over 5 ranks: DistributedSampler pads to 15 (3 per rank), as
+// PyTorch's does, and the unsharded reference trains on the same 15.
+TEST(Examples, TinyLmMatchesUnshardedTrainingWhenTheDatasetDoesNotDivide) {
+  const RunResult r = run({TINY_LM_TRAIN_BINARY, "--nproc", "5"});
+  expect_matches_unsharded(r, 5, "DeviceMesh\\(cpu, \\[0, 1, 2, 3, 4\\], dim_names=\\[\"shard\"\\]\\)");
+  const std::vector<std::string> lines = lines_of_rank(r.out, 0);
+  ASSERT_FALSE(lines.empty()) << describe(r);
+  EXPECT_EQ(lines.front(), "12 samples over 5 ranks: 3 per rank, up to 3 per step") << describe(r);
 }
 
 TEST(Examples, TinyLmMatchesUnshardedTrainingAsHsdpTwoByTwo) {

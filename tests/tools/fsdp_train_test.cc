@@ -7,6 +7,7 @@
 #include <vector>
 
 #include <ATen/ops/cat.h>
+#include <c10/util/Exception.h>
 
 #include "config.h"
 #include "data.h"
@@ -95,6 +96,15 @@ TEST(BatchSampler, RankSlicesMakeUpTheGlobalBatchAtEveryWorldSize) {
   }
 }
 
+TEST(BatchSampler, MoreOrUnequalPartsThanRowsThrow) {
+  const auto corpus = fsdp_train::load_corpus("", 64);
+  ASSERT_TRUE(corpus.ok()) << corpus.status();
+  const fsdp_train::BatchSampler sampler(corpus->bytes, /*global_batch=*/2, /*seq_len=*/16, /*seed=*/3);
+  EXPECT_THROW(sampler.local_batch(1, 3, 4), c10::Error);  // parts 2 and 3 would be empty
+  const fsdp_train::BatchSampler six(corpus->bytes, /*global_batch=*/6, /*seq_len=*/16, /*seed=*/3);
+  EXPECT_THROW(six.local_batch(1, 0, 4), c10::Error);  // 6 rows do not split into 4 equal parts
+}
+
 TEST(BatchSampler, BatchesDependOnSeedAndStepOnly) {
   const auto corpus = fsdp_train::load_corpus("", 64);
   ASSERT_TRUE(corpus.ok()) << corpus.status();
@@ -136,6 +146,16 @@ TEST(FsdpTrainFlags, GlobalBatchMustDivideAmongRanks) {
   expect_flag_error({"--nproc", "4", "--global-batch", "6"}, "--global-batch", "(got 6 for 4 ranks)");
   // The underscore spelling is the same flag.
   expect_flag_error({"--nproc=4", "--global_batch=7"}, "--global-batch", "(got 7 for 4 ranks)");
+}
+
+// More ranks than rows used to be the divisibility message alone; it now says
+// which ranks would train on nothing and what to do.
+TEST(FsdpTrainFlags, MoreRanksThanGlobalBatchRowsIsAClearError) {
+  expect_flag_error({"--nproc", "4", "--global-batch", "2"}, "--global-batch",
+                    "(got 2 for 4 ranks): a global batch of 2 rows over 4 data-parallel ranks leaves ranks 2..3 "
+                    "without a row");
+  expect_flag_error({"--nproc", "3", "--global-batch", "1"}, "--global-batch",
+                    "use a global batch of at least 3 rows (a multiple of 3) or fewer ranks");
 }
 
 TEST(FsdpTrainFlags, UnknownDeviceIsRejected) { expect_flag_error({"--device", "tpu"}, "--device", "'tpu'"); }

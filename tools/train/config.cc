@@ -11,6 +11,7 @@
 #include "absl/flags/reflection.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "fsdp_data/distributed_sampler.h"
 #include "profile.h"
 
 namespace fsdp_train {
@@ -54,9 +55,16 @@ absl::Status validate(const TrainConfig& c, int64_t world_size) {
   if (world_size < 1) return flag_error(absl::StrCat("the world size must be >= 1 (got ", world_size, ")"));
   if (c.steps < 1) return flag_error(absl::StrCat("--steps must be >= 1 (got ", c.steps, ")"));
   if (c.global_batch < 1) return flag_error(absl::StrCat("--global-batch must be >= 1 (got ", c.global_batch, ")"));
-  if (c.global_batch % world_size != 0) {
-    return flag_error(absl::StrCat("--global-batch must be divisible by the number of data-parallel ranks (got ",
-                                   c.global_batch, " for ", world_size, " ranks)"));
+  // The split the trainer makes (data.cc), refused here before any rank starts:
+  // more ranks than rows, or rows that do not divide evenly.
+  try {
+    fsdp::data::split_global_batch(c.global_batch, world_size, 0);
+  } catch (const c10::Error& e) {
+    std::string why = e.what_without_backtrace();
+    const std::string prefix = "split_global_batch: ";
+    if (why.rfind(prefix, 0) == 0) why.erase(0, prefix.size());
+    return flag_error(absl::StrCat("--global-batch must split evenly over the data-parallel ranks (got ",
+                                   c.global_batch, " for ", world_size, " ranks): ", why));
   }
   if (c.seq_len < 2) return flag_error(absl::StrCat("--seq-len must be >= 2 (got ", c.seq_len, ")"));
   if (c.layers < 1) return flag_error(absl::StrCat("--layers must be >= 1 (got ", c.layers, ")"));

@@ -16,6 +16,7 @@
 #include <c10/util/Exception.h>
 
 #include "absl/strings/str_cat.h"
+#include "fsdp_data/distributed_sampler.h"
 
 #ifndef FSDP_TRAIN_DEFAULT_DATA
 #define FSDP_TRAIN_DEFAULT_DATA ""
@@ -116,11 +117,12 @@ std::vector<int64_t> BatchSampler::offsets(int64_t step) const {
 }
 
 Batch BatchSampler::local_batch(int64_t step, int64_t index, int64_t parts) const {
-  TORCH_CHECK(parts >= 1 && global_batch_ % parts == 0 && index >= 0 && index < parts, "BatchSampler: global batch ",
-              global_batch_, " cannot be split into ", parts, " equal parts (part ", index, ")");
-  const int64_t rows = global_batch_ / parts;
+  // Throws, naming the batch size and the ranks, when a part would get no row
+  // or the parts would be unequal.
+  const fsdp::data::BatchSlice slice = fsdp::data::split_global_batch(global_batch_, parts, index);
+  const int64_t rows = slice.rows;
   std::vector<int64_t> all = offsets(step);
-  std::vector<int64_t> mine(all.begin() + index * rows, all.begin() + (index + 1) * rows);
+  std::vector<int64_t> mine(all.begin() + slice.begin, all.begin() + slice.begin + rows);
   const at::Tensor starts = at::tensor(mine, at::kLong).unsqueeze(1);                      // [rows, 1]
   const at::Tensor positions = starts + at::arange(seq_len_ + 1, at::kLong).unsqueeze(0);  // [rows, seq+1]
   const at::Tensor window = bytes_.index_select(0, positions.reshape({-1})).view({rows, seq_len_ + 1}).to(at::kLong);

@@ -5,9 +5,12 @@
 // from both picks `global_batch` start offsets into the corpus, and row i is
 // corpus[offset_i, offset_i + seq_len] (inputs) shifted by one (targets).
 // Data-parallel rank r of n takes rows [r * B/n, (r+1) * B/n), the
-// torch.chunk slice, so the union over ranks is the global batch whatever n
-// is, and (with equal row counts) the mean of the ranks' mean losses is the
-// global batch's mean loss.
+// torch.chunk slice (fsdp::data::split_global_batch, fsdp_data/
+// distributed_sampler.h), so the union over ranks is the global batch
+// whatever n is, and (with equal row counts) the mean of the ranks' mean
+// losses is the global batch's mean loss. More ranks than rows, or rows that
+// do not divide evenly, are an error (validate() in config.h reports it as a
+// flag error before any rank starts).
 //
 //   auto corpus = fsdp_train::load_corpus("");          // the shipped corpus
 //   fsdp_train::BatchSampler sampler(corpus->bytes, 16, 64, /*seed=*/0);
@@ -56,7 +59,8 @@ class BatchSampler {
   std::vector<int64_t> offsets(int64_t step) const;
 
   // Rows [index's torch.chunk slice of `parts`] of global batch `step`, on CPU.
-  // REQUIRES: global_batch divisible by parts, 0 <= index < parts.
+  // REQUIRES: global_batch divisible by parts, 0 <= index < parts; throws
+  // c10::Error (from split_global_batch) otherwise.
   Batch local_batch(int64_t step, int64_t index, int64_t parts) const;
 
   int64_t global_batch() const { return global_batch_; }
