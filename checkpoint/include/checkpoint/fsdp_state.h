@@ -2,10 +2,10 @@
 // optimizer, sharded with fully_shard or not: the items that make
 // save_training_state / load_training_state a one-call resume.
 //
-//   fsdp::checkpoint::ModelState model_state(*model);
-//   fsdp::checkpoint::OptimizerState optim_state(*model, optimizer);
-//   fsdp::checkpoint::TrainingState state;
-//   state.add("model", model_state).add("optim", optim_state);
+// The trainer registers them so (tools/train/checkpointing.cc):
+//
+//   items.add("model", model_state)
+//       .add("optim", optim_state)
 //
 // They are thin: state_dict() is fsdp::get_model_state_dict /
 // get_optimizer_state_dict (fsdp2/state_dict.h), load_state_dict() the

@@ -3,23 +3,33 @@
 // number generators, as PyTorch's `dcp.save({"model": m, "optim": o, ...})`
 // does with Stateful objects.
 //
-//   // Once, after fully_shard and the optimizer:
-//   fsdp::checkpoint::ModelState model_state(*model);              // checkpoint/fsdp_state.h
-//   fsdp::checkpoint::OptimizerState optim_state(*model, optimizer);
-//   int64_t step = 0;
-//   at::Tensor ema_loss = at::zeros({});
-//   fsdp::checkpoint::TrainingState state;
-//   state.add("model", model_state)
-//       .add("optim", optim_state)
-//       .add_int64("step", step)
-//       .add_tensor("ema_loss", ema_loss)
-//       .add_rng("cpu_rng_state", at::detail::getDefaultCPUGenerator());
+// The items are registered once, by reference: a Stateful for the model and
+// one for the optimizer (checkpoint/fsdp_state.h adapts fully_shard models
+// and their optimizers), the user's values, a tensor and a generator
+// (tests/checkpoint/training_state_test.cc):
 //
-//   // Resume (every rank; any world size or mesh; a first run when ROOT has none):
-//   if (auto loaded = fsdp::checkpoint::load_latest_training_state(root, state, world_group)) { ... }
-//   ... train; step = ...;
-//   // Save (every rank):
-//   fsdp::checkpoint::save_training_state(root, step, state, world_group);
+//   state.add("model", model)
+//       .add("optim", optim)
+//       .add_int64("step", u.step)
+//       .add_double("lr_scale", u.lr_scale)
+//       .add_string("run_name", u.run_name)
+//       .add_json("schedule", u.schedule)
+//       .add_bool("warmed_up", u.warmed_up)
+//       .add_tensor("step_marks", u.step_marks)
+//       .add_rng("cpu_rng", at::detail::getDefaultCPUGenerator());
+//
+// Then a save is one call on every rank, and so is a load, at any world size
+// or mesh (tests/checkpoint/training_state_test.cc):
+//
+//   ckpt::ModelState model_state(*model);
+//   ckpt::OptimizerState optim_state(*model, optim);
+//   ...
+//   const auto saved = ckpt::save_training_state(root.path(), kStepsBeforeSave, state, ctx.world_group(), options);
+//   ...
+//   const auto loaded = ckpt::load_latest_training_state(root.path(), state, ctx.world_group());
+//
+// load_latest_training_state returns nullopt when ROOT holds no checkpoint
+// yet (a first run), so the same program starts and resumes.
 //
 // What goes where, in the formats of checkpoint_dir.h and sharded.h:
 //
