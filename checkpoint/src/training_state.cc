@@ -2,7 +2,12 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
+#include <exception>
+#include <future>
+#include <map>
 #include <mutex>
+#include <tuple>
 #include <utility>
 
 #include <ATen/ops/empty.h>
@@ -221,11 +226,16 @@ std::vector<std::string> TrainingState::names() const {
 // ---------------------------------------------------------------------------
 // Save
 
-TrainingStateSaveResult save_training_state(const std::string& root, int64_t step, TrainingState& state,
-                                            const std::shared_ptr<Communicator>& group,
-                                            const TrainingStateSaveOptions& options) {
-  TORCH_CHECK(group != nullptr, "save_training_state: the group is null; pass the run's world group");
-  const auto start = Clock::now();
+namespace {
+
+// What a save writes, collected from the items: the manifest's extra and
+// the tensors of each directory.
+struct StagedState {
+  std::string extra_json;
+  std::vector<std::pair<std::string, StateDict>> dirs;
+};
+
+StagedState collect_items(TrainingState& state) {
   auto& items = TrainingStateAccess::items(state);
 
   // Collect every item's state before anything is written, so that a bad
@@ -290,6 +300,17 @@ TrainingStateSaveResult save_training_state(const std::string& root, int64_t ste
   }
   extra[kTrainingStateKey] = {{"version", 1}, {"items", std::move(described)}};
 
+  StagedState staged;
+  for (auto& [item, st] : statefuls) staged.dirs.emplace_back(item->name, std::move(st.tensors));
+  if (!user_tensors.empty()) staged.dirs.emplace_back(kUserTensorsDir, std::move(user_tensors));
+  staged.extra_json = extra.dump();
+  return staged;
+}
+
+TrainingStateSaveResult write_staged(const StagedState& staged, const std::string& root, int64_t step,
+                                     const std::shared_ptr<Communicator>& group,
+                                     const TrainingStateSaveOptions& options) {
+  const auto start = Clock::now();
   CheckpointWriterOptions writer_options;
   writer_options.fsync = options.fsync;
   writer_options.mesh = options.mesh;
@@ -298,20 +319,97 @@ TrainingStateSaveResult save_training_state(const std::string& root, int64_t ste
   SaveOptions save_options;
   save_options.fsync = options.fsync;
   TrainingStateSaveResult result;
-  for (const auto& [item, s] : statefuls) {
-    const SaveResult saved = save_sharded(s.tensors, writer.subdir(item->name), group->rank(), save_options);
+  for (const auto& [name, tensors] : staged.dirs) {
+    const SaveResult saved = save_sharded(tensors, writer.subdir(name), group->rank(), save_options);
     writer.record(saved);
     result.bytes += saved.bytes;
   }
-  if (!user_tensors.empty()) {
-    const SaveResult saved = save_sharded(user_tensors, writer.subdir(kUserTensorsDir), group->rank(), save_options);
-    writer.record(saved);
-    result.bytes += saved.bytes;
-  }
-  result.dir = writer.commit(extra.dump());
+  result.dir = writer.commit(staged.extra_json);
   if (options.keep > 0 && group->rank() == 0) prune_checkpoints(root, options.keep);
   result.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   return result;
+}
+
+// A copy of `value` in fresh host memory, so that training may change the
+// live tensor while a background thread writes the copy. Values that share
+// memory (tied weights) share their copy, so save_sharded still writes them
+// once.
+StateValue copy_to_host(
+    const StateValue& value,
+    std::map<std::tuple<const void*, int64_t, std::vector<int64_t>, std::vector<int64_t>>, at::Tensor>& copies) {
+  const at::Tensor& local = value.local();
+  at::Tensor host;
+  const auto key = std::make_tuple(local.has_storage() ? local.storage().data() : nullptr, local.storage_offset(),
+                                   local.sizes().vec(), local.strides().vec());
+  const auto found = local.numel() > 0 ? copies.find(key) : copies.end();
+  if (found != copies.end()) {
+    host = found->second;
+  } else {
+    host =
+        local.is_cpu() ? local.detach().clone(at::MemoryFormat::Contiguous) : local.detach().to(at::kCPU).contiguous();
+    if (local.numel() > 0) copies.emplace(key, host);
+  }
+  if (!value.is_dtensor()) return host;
+  const DTensor& dt = value.dtensor();
+  return DTensor::from_local(host, dt.mesh(), dt.placements(), dt.shape());
+}
+
+}  // namespace
+
+TrainingStateSaveResult save_training_state(const std::string& root, int64_t step, TrainingState& state,
+                                            const std::shared_ptr<Communicator>& group,
+                                            const TrainingStateSaveOptions& options) {
+  TORCH_CHECK(group != nullptr, "save_training_state: the group is null; pass the run's world group");
+  const auto start = Clock::now();
+  TrainingStateSaveResult result = write_staged(collect_items(state), root, step, group, options);
+  result.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  return result;
+}
+
+// ---------------------------------------------------------------------------
+// AsyncTrainingStateSaver
+
+AsyncTrainingStateSaver::AsyncTrainingStateSaver(std::shared_ptr<Communicator> group) : group_(std::move(group)) {
+  TORCH_CHECK(group_ != nullptr, "AsyncTrainingStateSaver: the group is null; pass a communicator of its own ",
+              "(World::new_group(world->all_ranks(), c10::kCPU))");
+}
+
+AsyncTrainingStateSaver::~AsyncTrainingStateSaver() {
+  if (!in_flight_.valid()) return;
+  try {
+    in_flight_.get();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "AsyncTrainingStateSaver: the save in flight at destruction failed: %s\n", e.what());
+  }
+}
+
+AsyncSaveStaged AsyncTrainingStateSaver::save(const std::string& root, int64_t step, TrainingState& state,
+                                              const TrainingStateSaveOptions& options) {
+  const auto start = Clock::now();
+  // At most one save in flight: finish (and report) the previous one first.
+  wait();
+  StagedState staged = collect_items(state);
+  AsyncSaveStaged out;
+  std::map<std::tuple<const void*, int64_t, std::vector<int64_t>, std::vector<int64_t>>, at::Tensor> copies;
+  for (auto& [name, tensors] : staged.dirs) {
+    StateDict host;
+    for (const auto& [key, value] : tensors) {
+      host.insert(key, copy_to_host(value, copies));
+    }
+    tensors = std::move(host);
+  }
+  for (const auto& [key, copy] : copies) out.staged_bytes += static_cast<int64_t>(copy.nbytes());
+  in_flight_ = std::async(std::launch::async, [staged = std::move(staged), root, step, group = group_, options]() {
+    return write_staged(staged, root, step, group, options);
+  });
+  out.blocked_seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  return out;
+}
+
+std::optional<TrainingStateSaveResult> AsyncTrainingStateSaver::wait() {
+  if (!in_flight_.valid()) return std::nullopt;
+  // get() leaves the future empty, also when it rethrows the save's error.
+  return in_flight_.get();
 }
 
 // ---------------------------------------------------------------------------

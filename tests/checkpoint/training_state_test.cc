@@ -429,4 +429,86 @@ TEST(TrainingStateErrors, JsonMemberClashAndBadJsonFailTheSaveBeforeWriting) {
   });
 }
 
+// A Stateful over a fixed state dict (its local tensors are "live": the
+// test changes them after an async save returns).
+class Fixed : public ckpt::Stateful {
+ public:
+  explicit Fixed(fsdp::StateDict tensors) : tensors(std::move(tensors)) {}
+  ckpt::StatefulState state_dict() override { return {tensors, {}}; }
+  void load_state_dict(const ckpt::StatefulState&) override {}
+  fsdp::StateDict tensors;
+};
+
+const std::vector<fsdp::Placement> kShard0 = {fsdp::Placement::shard(0)};
+
+TEST(TrainingStateAsync, SaveReturnsAfterStagingAndWritesWhatWasStaged) {
+  ckpt_test::SharedDir root;
+  fsdp::testing::run_distributed(3, [&](RankContext& ctx) {
+    // The saver's own communicator: its commit runs beside the training's collectives.
+    ckpt::AsyncTrainingStateSaver saver(ctx.world()->new_group(ctx.world()->all_ranks(), c10::kCPU));
+    Fixed model(ckpt_test::make_state(ctx.mesh(), kShard0));
+    int64_t step = 1;
+    ckpt::TrainingState state;
+    state.add("model", model).add_int64("step", step);
+    const ckpt::AsyncSaveStaged staged = saver.save(root.path(), 1, state);
+    EXPECT_GT(staged.staged_bytes, 0);
+    EXPECT_TRUE(saver.pending());
+    // Training goes on: the live tensors and values change, and the
+    // training's communicator is used while the save may be in flight.
+    for (auto& [key, value] : model.tensors) value.local().fill_(0);
+    step = 99;
+    at::Tensor sum = at::ones({1});
+    ctx.world_group()->all_reduce(sum, fsdp::collectives::ReduceOp::sum()).wait();
+    EXPECT_EQ(sum.item<float>(), 3.0f);
+    const auto done = saver.wait();
+    ASSERT_TRUE(done.has_value());
+    EXPECT_EQ(done->dir, root / "step-1");
+    EXPECT_FALSE(saver.pending());
+    EXPECT_FALSE(saver.wait().has_value()) << "nothing in flight";
+
+    // Two saves back to back: the second waits for the first.
+    step = 2;
+    saver.save(root.path(), 2, state);
+    step = 3;
+    saver.save(root.path(), 3, state);
+    ASSERT_TRUE(saver.wait().has_value());
+    std::vector<int64_t> steps;
+    for (const auto& ref : ckpt::list_checkpoints(root.path())) steps.push_back(ref.step);
+    EXPECT_EQ(steps, (std::vector<int64_t>{1, 2, 3}));
+
+    // Step 1 holds what was staged, not what the tensors became.
+    Fixed loaded(ckpt_test::make_state(ctx.mesh(), kShard0, 0, /*zeros=*/true));
+    int64_t loaded_step = 0;
+    ckpt::TrainingState target;
+    target.add("model", loaded).add_int64("step", loaded_step);
+    ckpt::load_training_state(root / "step-1", target, ctx.world_group());
+    ckpt_test::expect_state_equals_formula(loaded.tensors);
+    EXPECT_EQ(loaded_step, 1);
+    ckpt::load_training_state(root / "step-3", target, ctx.world_group());
+    EXPECT_EQ(loaded_step, 3);
+  });
+}
+
+TEST(TrainingStateAsync, ABackgroundFailureIsRethrownByWaitAndThePreviousCheckpointStays) {
+  ckpt_test::SharedDir root;
+  fsdp::testing::run_distributed(2, [&](RankContext& ctx) {
+    ckpt::AsyncTrainingStateSaver saver(ctx.world()->new_group(ctx.world()->all_ranks(), c10::kCPU));
+    int64_t step = 4;
+    ckpt::TrainingState state;
+    state.add_int64("step", step);
+    saver.save(root.path(), 4, state);
+    ASSERT_TRUE(saver.wait().has_value());
+    // A root below a regular file cannot be created: the background thread
+    // fails, and wait() says so, naming the path.
+    if (ctx.rank() == 0) ckpt_test::write_bytes(root / "blocker", "x");
+    ctx.world_group()->barrier().wait();
+    saver.save(root / "blocker/sub", 5, state);
+    CKPT_EXPECT_THROW_WITH(saver.wait(), "blocker");
+    EXPECT_FALSE(saver.pending());
+    const auto latest = ckpt::find_latest_checkpoint(root.path());
+    ASSERT_TRUE(latest.has_value());
+    EXPECT_EQ(latest->step, 4);
+  });
+}
+
 }  // namespace

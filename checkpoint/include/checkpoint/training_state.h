@@ -57,6 +57,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <future>
 #include <map>
 #include <memory>
 #include <optional>
@@ -185,6 +186,58 @@ struct TrainingStateSaveResult {
 TrainingStateSaveResult save_training_state(const std::string& root, int64_t step, TrainingState& state,
                                             const std::shared_ptr<collectives::Communicator>& group,
                                             const TrainingStateSaveOptions& options = {});
+
+// What AsyncTrainingStateSaver::save() did on the calling thread.
+struct AsyncSaveStaged {
+  int64_t staged_bytes = 0;    // host memory the staged copies hold until the write is done
+  double blocked_seconds = 0;  // how long save() blocked the caller (staging, and waiting for the previous save)
+};
+
+// AsyncTrainingStateSaver: save_training_state on a background thread, so
+// that training continues while the files are written.
+//
+// save() collects every item on the calling thread (state_dict(), values,
+// generators), copies each tensor's local piece into fresh host memory
+// (tied values share one copy), and returns; a background thread then
+// writes the files and commits, exactly as save_training_state does (same
+// files, same atomic commit: a process that dies before the commit leaves
+// ROOT/.tmp-step-N and the previous checkpoint the newest complete one).
+// At most one save is in flight: save() first waits for the previous one.
+//
+// REQUIRES: `group` is a communicator of the saver's own, used by nothing
+// else (make it with World::new_group(world->all_ranks(), c10::kCPU) on
+// every rank, in the same order): the background thread runs the commit's
+// barriers on it while the training thread runs its own collectives, which
+// on a shared communicator would interleave differently on each rank (as
+// PyTorch's async_save wants a process group of its own). Every rank makes
+// the same save() and wait() calls. Not thread-safe: call it from one
+// thread.
+//
+// Errors: save() throws the item errors of save_training_state before
+// anything starts, and rethrows the previous save's error (this save is then
+// not started); wait() rethrows the background save's error (an I/O error
+// naming the file, a rank that did not arrive within options.timeout). The
+// destructor waits for a save in flight and prints its error to stderr.
+class AsyncTrainingStateSaver {
+ public:
+  explicit AsyncTrainingStateSaver(std::shared_ptr<collectives::Communicator> group);
+  ~AsyncTrainingStateSaver();
+  AsyncTrainingStateSaver(const AsyncTrainingStateSaver&) = delete;
+  AsyncTrainingStateSaver& operator=(const AsyncTrainingStateSaver&) = delete;
+
+  // Stages `state` and starts writing ROOT/step-`step` in the background.
+  AsyncSaveStaged save(const std::string& root, int64_t step, TrainingState& state,
+                       const TrainingStateSaveOptions& options = {});
+  // Blocks until the save in flight is committed and returns its result;
+  // nullopt when none was in flight. Rethrows its error.
+  std::optional<TrainingStateSaveResult> wait();
+  // A save was started and not yet waited for (it may have finished).
+  bool pending() const { return in_flight_.valid(); }
+
+ private:
+  std::shared_ptr<collectives::Communicator> group_;
+  std::future<TrainingStateSaveResult> in_flight_;
+};
 
 struct TrainingStateLoadOptions {
   // Rank 0 checks every file's size and CRC32 against the manifest before
