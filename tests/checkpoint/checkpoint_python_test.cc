@@ -2,19 +2,25 @@
 // (interop.py): PyTorch's HuggingFaceStorageReader loads our sharded
 // checkpoint; a checkpoint PyTorch's HuggingFaceStorageWriter wrote at world
 // size 3 loads into ours at 2; safetensors.torch.load_file reads our HF
-// export; Python's zlib.crc32 agrees with our manifest. Both sides compare
-// with the same formula, computed independently.
+// export; Python's zlib.crc32 agrees with our manifest; PyTorch reads the
+// model and optimizer parts, the values and the generator of a
+// save_training_state checkpoint. Both sides compare with the same formula,
+// computed independently.
 #include <stdio.h>
 #include <sys/wait.h>
 
+#include <map>
 #include <string>
+#include <utility>
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 
 #include "checkpoint/checkpoint_dir.h"
 #include "checkpoint/hf.h"
 #include "checkpoint/sharded.h"
+#include "checkpoint/training_state.h"
 #include "checkpoint_test_util.h"
 
 namespace {
@@ -101,6 +107,54 @@ TEST(CheckpointPython, SafetensorsLoadFileReadsOurHfExport) {
   auto r = run_interop("read_hf", dir.path());
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("read_hf: 7 tensors equal the formula, total_size 314"), std::string::npos) << r.output;
+}
+
+// A Stateful over fixed tensors and JSON members (what ModelState and
+// OptimizerState hand over, without a model).
+class FixedState : public ckpt::Stateful {
+ public:
+  FixedState(fsdp::StateDict tensors, std::map<std::string, std::string> json)
+      : tensors_(std::move(tensors)), json_(std::move(json)) {}
+  ckpt::StatefulState state_dict() override { return {tensors_, json_}; }
+  void load_state_dict(const ckpt::StatefulState&) override {}
+
+ private:
+  fsdp::StateDict tensors_;
+  std::map<std::string, std::string> json_;
+};
+
+// save_training_state at 3 ranks: "model" holds the formula state, "optim"
+// PyTorch's flattened optimizer keys (state.<fqn>.exp_avg with seed + 100,
+// state.<fqn>.step = 5) and param_groups; then PyTorch's dcp.load reads
+// model/ and optim/, the manifest's values are PyTorch's JSON, and
+// torch.set_rng_state takes the saved generator state (the next numbers
+// equal those of the same seed drawn in Python).
+TEST(CheckpointPython, PyTorchReadsTheModelOptimizerAndGeneratorOfATrainingState) {
+  SKIP_WITHOUT_PYTHON();
+  ckpt_test::SharedDir root;
+  fsdp::testing::run_distributed(3, [&](RankContext& ctx) {
+    fsdp::StateDict optim;
+    for (const auto& [key, value] : ckpt_test::make_state(ctx.mesh(), kShard0, 100)) {
+      optim.insert("state." + key + ".exp_avg", value);
+      optim.insert("state." + key + ".step", at::full({}, 5.0, at::kFloat));
+    }
+    FixedState model_state(ckpt_test::make_state(ctx.mesh(), kShard0), {});
+    FixedState optim_state(optim, {{"param_groups", R"([{"lr": 0.01, "params": ["embed.weight"]}])"}});
+    int64_t step = 5;
+    at::manual_seed(31);
+    at::randn({2});
+    ckpt::TrainingState state;
+    state.add("model", model_state).add("optim", optim_state).add_int64("step", step);
+    state.add_rng("cpu_rng", at::detail::getDefaultCPUGenerator());
+    ckpt::save_training_state(root.path(), 5, state, ctx.world_group());
+  });
+  if (fsdp::testing::is_rank_process()) return;
+  const auto r = run_interop("read_training_state", root / "step-5");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("read_training_state: model 7 and optim 14 tensors, step 5, param_groups and the "
+                          "generator as saved"),
+            std::string::npos)
+      << r.output;
 }
 
 }  // namespace

@@ -10,6 +10,8 @@ Values come from `formula`, computed here independently of the C++ side
     python interop.py write_sharded DIR   # 3 gloo ranks save DTensors with HuggingFaceStorageWriter
     python interop.py read_hf DIR         # safetensors.torch.load_file reads an HF export
     python interop.py verify_manifest DIR # sizes and zlib.crc32 of a checkpoint's manifest
+    python interop.py read_training_state DIR  # dcp.load reads model/ and optim/ of a
+                                          # save_training_state checkpoint; its values and generator
 
 Exits non-zero with a message on any mismatch.
 """
@@ -185,9 +187,47 @@ def verify_manifest(path):
     print(f"verify_manifest: {len(manifest['files'])} files match")
 
 
+def read_training_state(path):
+    """checkpoint_python_test's save_training_state checkpoint, as a PyTorch
+    user would read it: dcp.load for the tensors, json for the manifest."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    model = {key: torch.zeros(shape, dtype=dtype) for key, shape, dtype, _, _ in SPECS}
+    dcp.load(model, storage_reader=HuggingFaceStorageReader(os.path.join(path, "model")), no_dist=True)
+    for key, shape, dtype, seed, _ in SPECS:
+        check(key, model[key], formula(shape, dtype, seed))
+    optim = {}
+    for key, shape, dtype, _, _ in SPECS:
+        optim[f"state.{key}.exp_avg"] = torch.zeros(shape, dtype=dtype)
+        optim[f"state.{key}.step"] = torch.zeros((), dtype=torch.float32)
+    dcp.load(optim, storage_reader=HuggingFaceStorageReader(os.path.join(path, "optim")), no_dist=True)
+    for key, shape, dtype, seed, _ in SPECS:
+        check(f"state.{key}.exp_avg", optim[f"state.{key}.exp_avg"], formula(shape, dtype, seed + 100))
+        check(f"state.{key}.step", optim[f"state.{key}.step"], torch.tensor(5.0))
+
+    with open(os.path.join(path, "manifest.json")) as f:
+        extra = json.load(f)["extra"]
+    if extra["step"] != 5:
+        sys.exit(f"MISMATCH step {extra['step']}")
+    if extra["param_groups"] != [{"lr": 0.01, "params": ["embed.weight"]}]:
+        sys.exit(f"MISMATCH param_groups {extra['param_groups']}")
+    kinds = {name: item["kind"] for name, item in extra["training_state"]["items"].items()}
+    if kinds != {"model": "stateful", "optim": "stateful", "step": "int64", "cpu_rng": "rng"}:
+        sys.exit(f"MISMATCH items {kinds}")
+    torch.set_rng_state(torch.tensor(list(bytes.fromhex(extra["cpu_rng"])), dtype=torch.uint8))
+    got = torch.randn(4)
+    torch.manual_seed(31)
+    torch.randn(2)
+    check("cpu_rng", got, torch.randn(4))
+    print(f"read_training_state: model {len(model)} and optim {len(optim)} tensors, step 5, param_groups and the "
+          "generator as saved")
+
+
 if __name__ == "__main__":
     commands = {"read_sharded": read_sharded, "read_sharded_distributed": read_sharded_distributed,
-                "write_sharded": write_sharded, "read_hf": read_hf, "verify_manifest": verify_manifest}
+                "write_sharded": write_sharded, "read_hf": read_hf, "verify_manifest": verify_manifest,
+                "read_training_state": read_training_state}
     if len(sys.argv) != 3 or sys.argv[1] not in commands:
         sys.exit(__doc__)
     commands[sys.argv[1]](sys.argv[2])

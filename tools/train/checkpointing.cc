@@ -7,19 +7,21 @@
 #include <cstdio>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <vector>
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/Generator.h>
-#include <ATen/ops/empty.h>
 #include <ATen/ops/tensor.h>
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
 #include "checkpoint/checkpoint_dir.h"
+#include "checkpoint/fsdp_state.h"
 #include "checkpoint/hf.h"
 #include "checkpoint/sharded.h"
+#include "checkpoint/training_state.h"
 #include "fsdp2/state_dict.h"
 #include "report.h"
 
@@ -46,41 +48,6 @@ void print_progress(const Communicator& group, const char* what, const std::stri
   std::fflush(stdout);
 }
 
-// POSIX, not std::filesystem: the torch wheel's libtorch.so exports its own
-// copy of std::filesystem, and calls bind to it (see distributed_test.cc).
-std::string cpu_rng_state_hex() {
-  at::Generator gen = at::detail::getDefaultCPUGenerator();  // a handle: shares the generator
-  at::Tensor state;
-  {
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    state = gen.get_state();
-  }
-  static const char* const kDigits = "0123456789abcdef";
-  std::string hex;
-  const auto* bytes = state.data_ptr<uint8_t>();
-  for (int64_t i = 0; i < state.numel(); ++i) {
-    hex += kDigits[bytes[i] >> 4];
-    hex += kDigits[bytes[i] & 15];
-  }
-  return hex;
-}
-
-void set_cpu_rng_state_hex(const std::string& hex, const std::string& where) {
-  TORCH_CHECK(hex.size() % 2 == 0, "--resume: ", where, ": cpu_rng_state is not hex");
-  at::Tensor state = at::empty({static_cast<int64_t>(hex.size() / 2)}, at::kByte);
-  auto* bytes = state.data_ptr<uint8_t>();
-  const auto digit = [&](char c) -> uint8_t {
-    if (c >= '0' && c <= '9') return static_cast<uint8_t>(c - '0');
-    TORCH_CHECK(c >= 'a' && c <= 'f', "--resume: ", where, ": cpu_rng_state is not hex");
-    return static_cast<uint8_t>(c - 'a' + 10);
-  };
-  for (size_t i = 0; i < hex.size() / 2; ++i)
-    bytes[i] = static_cast<uint8_t>(digit(hex[2 * i]) << 4 | digit(hex[2 * i + 1]));
-  at::Generator gen = at::detail::getDefaultCPUGenerator();
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  gen.set_state(state);
-}
-
 // Rank 0 checks `dir`'s files against its manifest (sizes, CRC32) and every
 // rank learns the verdict, so a damaged checkpoint fails all ranks at once
 // instead of leaving the others waiting in the next collective.
@@ -100,6 +67,8 @@ void verify_on_rank0(const std::string& dir, Communicator& group, const char* fl
   TORCH_CHECK(false, flag, ": rank 0 found '", dir, "' damaged (its message names the file)");
 }
 
+// POSIX, not std::filesystem: the torch wheel's libtorch.so exports its own
+// copy of std::filesystem, and calls bind to it (see distributed_test.cc).
 bool exists(const std::string& path) {
   struct stat st {};
   return ::stat(path.c_str(), &st) == 0;
@@ -116,85 +85,94 @@ void make_directories(const std::string& path, const char* flag) {
   }
 }
 
+// What the trainer saves and resumes, registered once per call: the model,
+// the optimizer (its param groups land in the manifest's extra as
+// "param_groups"), the progress record ("progress") and the default CPU
+// generator ("cpu_rng_state"). See checkpoint/training_state.h.
+struct TrainerState {
+  TrainerState(torch::nn::Module& model, torch::optim::Optimizer& optimizer)
+      : model_state(model), optim_state(model, optimizer) {
+    items.add("model", model_state)
+        .add("optim", optim_state)
+        .add_json("progress", progress)
+        // The trainer draws its batches and initial values from generators of
+        // its own seeded by (seed, step) and (seed, FQN), so this only
+        // matters to code added to the loop that uses the global generator
+        // (dropout, say).
+        .add_rng("cpu_rng_state", at::detail::getDefaultCPUGenerator());
+  }
+  std::string cpu_rng_state_hex() const {
+    at::Generator gen = at::detail::getDefaultCPUGenerator();  // a handle: shares the generator
+    at::Tensor rng;
+    {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      rng = gen.get_state();
+    }
+    static const char* const kDigits = "0123456789abcdef";
+    std::string hex;
+    const auto* bytes = rng.data_ptr<uint8_t>();
+    for (int64_t i = 0; i < rng.numel(); ++i) {
+      hex += kDigits[bytes[i] >> 4];
+      hex += kDigits[bytes[i] & 15];
+    }
+    return hex;
+  }
+
+  fsdp::checkpoint::ModelState model_state;
+  fsdp::checkpoint::OptimizerState optim_state;
+  std::string progress = "{}";
+  fsdp::checkpoint::TrainingState items;
+};
+
 }  // namespace
 
 void save_checkpoint(const std::string& save_dir, int64_t keep, const TrainingProgress& progress,
                      torch::nn::Module& model, torch::optim::Optimizer& optimizer,
                      const std::shared_ptr<Communicator>& group) {
-  const auto start = Clock::now();
-  const fsdp::StateDict model_sd = fsdp::get_model_state_dict(model);
-  const fsdp::OptimizerStateDict optim_sd = fsdp::get_optimizer_state_dict(model, optimizer);
-
-  fsdp::checkpoint::CheckpointWriterOptions options;
+  TrainerState state(model, optimizer);
+  state.progress = nlohmann::json{{"step", progress.step},
+                                  {"world_size", progress.world_size},
+                                  {"mesh", progress.mesh},
+                                  {"samples_seen", progress.samples_seen}}
+                       .dump();
+  fsdp::checkpoint::TrainingStateSaveOptions options;
   options.mesh = progress.mesh;
-  fsdp::checkpoint::CheckpointWriter writer(save_dir, progress.step, group, options);
-  const auto model_saved = fsdp::checkpoint::save_sharded(model_sd, writer.subdir("model"), group->rank());
-  const auto optim_saved = fsdp::checkpoint::save_sharded(optim_sd.state, writer.subdir("optim"), group->rank());
-  writer.record(model_saved);
-  writer.record(optim_saved);
-
-  nlohmann::json extra;
-  extra["param_groups"] = nlohmann::json::parse(optim_sd.param_groups);
-  extra["progress"] = {{"step", progress.step},
-                       {"world_size", progress.world_size},
-                       {"mesh", progress.mesh},
-                       {"samples_seen", progress.samples_seen},
-                       {"cpu_rng_state", cpu_rng_state_hex()}};
-  const std::string final_dir = writer.commit(extra.dump());
-  const int64_t bytes = sum_over_ranks(*group, model_saved.bytes + optim_saved.bytes);
-  if (group->rank() == 0 && keep > 0) fsdp::checkpoint::prune_checkpoints(save_dir, keep);
-  print_progress(*group, "saved", final_dir, bytes, seconds_since(start));
+  options.keep = keep;
+  const auto saved = fsdp::checkpoint::save_training_state(save_dir, progress.step, state.items, group, options);
+  const int64_t bytes = sum_over_ranks(*group, saved.bytes);
+  print_progress(*group, "saved", saved.dir, bytes, saved.seconds);
 }
 
 TrainingProgress resume_from_latest(const std::string& save_dir, torch::nn::Module& model,
                                     torch::optim::Optimizer& optimizer, const std::shared_ptr<Communicator>& group) {
   TrainingProgress progress;
-  const auto latest = fsdp::checkpoint::find_latest_checkpoint(save_dir);
-  // Every rank must agree on the checkpoint (a save could complete between
-  // two ranks' directory scans only if another job writes there).
-  const int64_t step = latest ? latest->step : 0;
-  at::Tensor steps = at::tensor({step, -step}, at::kLong);
-  group->all_reduce(steps, ReduceOp::max()).wait();
-  TORCH_CHECK(steps[0].item<int64_t>() == -steps[1].item<int64_t>(), "--resume: the ranks see different newest ",
-              "checkpoints in '", save_dir, "' (is another run writing there?)");
-  if (!latest) {
+  TrainerState state(model, optimizer);
+  std::optional<fsdp::checkpoint::TrainingStateLoadResult> loaded;
+  try {
+    loaded = fsdp::checkpoint::load_latest_training_state(save_dir, state.items, group);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "--resume: ", e.what_without_backtrace());
+  }
+  if (!loaded) {
     if (group->rank() == 0) {
       std::printf("checkpoint  no complete checkpoint in %s: starting from step 1\n", save_dir.c_str());
       std::fflush(stdout);
     }
     return progress;
   }
-  const auto start = Clock::now();
-  verify_on_rank0(latest->path, *group, "--resume");
-  const fsdp::checkpoint::CheckpointManifest manifest = fsdp::checkpoint::read_manifest(latest->path);
-
-  fsdp::StateDict model_sd = fsdp::get_model_state_dict(model);
-  const auto model_loaded = fsdp::checkpoint::load_sharded(model_sd, latest->path + "/model");
-  fsdp::set_model_state_dict(model, model_sd);
-
-  fsdp::OptimizerStateDict optim_sd = fsdp::get_optimizer_state_dict(model, optimizer);
-  const auto optim_loaded = fsdp::checkpoint::load_sharded(optim_sd.state, latest->path + "/optim");
-  const nlohmann::json extra = nlohmann::json::parse(manifest.extra_json);
-  TORCH_CHECK(extra.contains("param_groups") && extra.contains("progress"), "--resume: ", latest->path,
-              "/manifest.json has no trainer progress (\"extra\": {\"param_groups\", \"progress\"}); was it written "
-              "by fsdp_train?");
-  optim_sd.param_groups = extra["param_groups"].dump();
-  fsdp::set_optimizer_state_dict(model, optimizer, optim_sd);
-
-  const nlohmann::json& p = extra["progress"];
+  const nlohmann::json p = nlohmann::json::parse(state.progress);
   progress.step = p.at("step").get<int64_t>();
   progress.world_size = p.at("world_size").get<int64_t>();
   progress.mesh = p.at("mesh").get<std::string>();
   progress.samples_seen = p.at("samples_seen").get<int64_t>();
-  progress.cpu_rng_state = p.at("cpu_rng_state").get<std::string>();
-  set_cpu_rng_state_hex(progress.cpu_rng_state, latest->path + "/manifest.json");
-  TORCH_CHECK(progress.step == manifest.step, "--resume: ", latest->path, " is step ", manifest.step,
+  progress.cpu_rng_state = state.cpu_rng_state_hex();
+  TORCH_CHECK(progress.step == loaded->step, "--resume: ", loaded->dir, " is step ", loaded->step,
               " but its progress record says ", progress.step);
-  const int64_t bytes = sum_over_ranks(*group, model_loaded.bytes_read + optim_loaded.bytes_read);
+  const int64_t bytes = sum_over_ranks(*group, loaded->bytes_read);
   print_progress(
       *group, "loaded",
-      latest->path + " (saved at world size " + std::to_string(progress.world_size) + ", mesh " + progress.mesh + ")",
-      bytes, seconds_since(start));
+      loaded->dir + " (saved at world size " + std::to_string(progress.world_size) + ", mesh " + progress.mesh + ")",
+      bytes, loaded->seconds);
   return progress;
 }
 

@@ -1,10 +1,12 @@
 // The trainer's checkpoints: save, resume, export and initialise, over
 // fsdp2's state dicts (fsdp2/state_dict.h) and the checkpoint layer's files
-// (checkpoint/). See docs/checkpoints.md.
+// (checkpoint/), saved and loaded with one call each
+// (checkpoint/training_state.h). See docs/checkpoints.md.
 //
 //   SAVE_DIR/step-N/                    one complete checkpoint (atomic: written as .tmp-step-N, renamed)
 //     manifest.json                     files, sizes, CRC32, world size, mesh, step, and "extra":
-//                                       {"param_groups": [...], "progress": {...}}
+//                                       {"param_groups": [...], "progress": {...},
+//                                        "cpu_rng_state": "<hex>", "training_state": {...}}
 //     model/shard-0000R-model-00001-of-00001.safetensors   each rank's rows of every parameter
 //     optim/shard-0000R-model-00001-of-00001.safetensors   state.<fqn>.{step,exp_avg,exp_avg_sq}
 //

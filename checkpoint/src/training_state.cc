@@ -1,0 +1,565 @@
+#include "checkpoint/training_state.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <exception>
+#include <future>
+#include <map>
+#include <mutex>
+#include <tuple>
+#include <utility>
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/tensor.h>
+#include <c10/util/Exception.h>
+#include <nlohmann/json.hpp>
+
+#include "checkpoint/checkpoint_dir.h"
+#include "checkpoint/sharded.h"
+#include "io_util.h"
+
+namespace fsdp::checkpoint {
+
+enum class ItemKind { kStateful, kTensor, kJson, kInt64, kDouble, kString, kBool, kRng };
+
+struct TrainingState::Item {
+  std::string name;
+  ItemKind kind;
+  Stateful* stateful = nullptr;
+  std::optional<StateValue> tensor;
+  std::string* text = nullptr;  // kJson, kString
+  int64_t* int64 = nullptr;
+  double* number = nullptr;
+  bool* flag = nullptr;
+  std::optional<at::Generator> generator;
+};
+
+struct TrainingStateAccess {
+  static std::vector<TrainingState::Item>& items(TrainingState& s) { return s.items_; }
+};
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using Item = TrainingState::Item;
+using collectives::Communicator;
+using collectives::ReduceOp;
+using nlohmann::json;
+
+// The kind names stored in the manifest ("training_state" -> "items" ->
+// name -> "kind") and used in messages, with the call that registers each.
+const char* kind_name(ItemKind kind) {
+  switch (kind) {
+    case ItemKind::kStateful: return "stateful";
+    case ItemKind::kTensor: return "tensor";
+    case ItemKind::kJson: return "json";
+    case ItemKind::kInt64: return "int64";
+    case ItemKind::kDouble: return "double";
+    case ItemKind::kString: return "string";
+    case ItemKind::kBool: return "bool";
+    case ItemKind::kRng: return "rng";
+  }
+  return "?";
+}
+
+const char* registering_call(const std::string& kind) {
+  if (kind == "stateful") return "add(name, stateful)";
+  if (kind == "tensor") return "add_tensor";
+  if (kind == "json") return "add_json";
+  if (kind == "int64") return "add_int64";
+  if (kind == "double") return "add_double";
+  if (kind == "string") return "add_string";
+  if (kind == "bool") return "add_bool";
+  if (kind == "rng") return "add_rng";
+  return "an unknown call";
+}
+
+bool is_value_kind(const std::string& kind) {
+  return kind == "json" || kind == "int64" || kind == "double" || kind == "string" || kind == "bool";
+}
+
+std::string to_hex(const at::Tensor& bytes_tensor) {
+  static const char* const kDigits = "0123456789abcdef";
+  const at::Tensor bytes_cpu = bytes_tensor.contiguous();
+  const auto* bytes = bytes_cpu.data_ptr<uint8_t>();
+  std::string hex;
+  hex.reserve(static_cast<size_t>(bytes_cpu.numel()) * 2);
+  for (int64_t i = 0; i < bytes_cpu.numel(); ++i) {
+    hex += kDigits[bytes[i] >> 4];
+    hex += kDigits[bytes[i] & 15];
+  }
+  return hex;
+}
+
+at::Tensor from_hex(const std::string& hex, const std::string& what) {
+  TORCH_CHECK(hex.size() % 2 == 0, what, " is not a hex string of whole bytes (", hex.size(), " digits)");
+  at::Tensor out = at::empty({static_cast<int64_t>(hex.size() / 2)}, at::kByte);
+  auto* bytes = out.data_ptr<uint8_t>();
+  const auto digit = [&](char c) -> uint8_t {
+    if (c >= '0' && c <= '9') return static_cast<uint8_t>(c - '0');
+    TORCH_CHECK(c >= 'a' && c <= 'f', what, " is not a hex string (found '", c, "')");
+    return static_cast<uint8_t>(c - 'a' + 10);
+  };
+  for (size_t i = 0; i < hex.size() / 2; ++i) {
+    bytes[i] = static_cast<uint8_t>(digit(hex[2 * i]) << 4 | digit(hex[2 * i + 1]));
+  }
+  return out;
+}
+
+std::string generator_state_hex(at::Generator& gen) {
+  at::Tensor state;
+  {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    state = gen.get_state();
+  }
+  return to_hex(state);
+}
+
+// Rank 0 verifies `dir` (sizes, CRC32) and every rank learns the verdict,
+// so a damaged checkpoint fails all ranks at once instead of leaving the
+// others waiting in the next collective.
+void verify_on_rank0(const std::string& dir, Communicator& group) {
+  std::string error;
+  if (group.rank() == 0) {
+    try {
+      verify_checkpoint(dir);
+    } catch (const c10::Error& e) {
+      error = e.what_without_backtrace();
+    }
+  }
+  at::Tensor failed = at::tensor({error.empty() ? 0 : 1}, at::kInt);
+  group.all_reduce(failed, ReduceOp::max()).wait();
+  if (failed.item<int>() == 0) return;
+  TORCH_CHECK(group.rank() != 0, error);
+  TORCH_CHECK(false, "rank 0 found '", dir, "' damaged (its message names the file); resume from an older ",
+              "checkpoint (remove this one) or restore the file");
+}
+
+std::string join_names(const std::vector<std::string>& names) {
+  std::string out;
+  for (const auto& n : names) out += (out.empty() ? "" : ", ") + n;
+  return out.empty() ? "nothing" : out;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// TrainingState
+
+TrainingState::TrainingState() = default;
+TrainingState::~TrainingState() = default;
+TrainingState::TrainingState(TrainingState&&) noexcept = default;
+TrainingState& TrainingState::operator=(TrainingState&&) noexcept = default;
+
+TrainingState& TrainingState::add_item(Item item) {
+  const std::string& name = item.name;
+  TORCH_CHECK(detail::is_plain_file_name(name) && name[0] != '.', "TrainingState: the name '", name,
+              "' is not a plain file name (no '/', not starting with '.'); items of a Stateful are stored in a ",
+              "directory of that name");
+  TORCH_CHECK(name != kTrainingStateKey && name != kUserTensorsDir, "TrainingState: the name '", name,
+              "' is reserved (\"", kTrainingStateKey, "\" describes the state, \"", kUserTensorsDir,
+              "/\" holds add_tensor's tensors); pick another");
+  for (const auto& existing : items_) {
+    TORCH_CHECK(existing.name != name, "TrainingState: '", name, "' is registered twice (first as ",
+                kind_name(existing.kind), ", now as ", kind_name(item.kind), "); every item needs its own name");
+  }
+  items_.push_back(std::move(item));
+  return *this;
+}
+
+TrainingState& TrainingState::add(std::string name, Stateful& stateful) {
+  Item item{std::move(name), ItemKind::kStateful};
+  item.stateful = &stateful;
+  return add_item(std::move(item));
+}
+
+TrainingState& TrainingState::add_tensor(std::string name, StateValue tensor) {
+  Item item{std::move(name), ItemKind::kTensor};
+  item.tensor = std::move(tensor);
+  return add_item(std::move(item));
+}
+
+TrainingState& TrainingState::add_json(std::string name, std::string& json_text) {
+  Item item{std::move(name), ItemKind::kJson};
+  item.text = &json_text;
+  return add_item(std::move(item));
+}
+
+TrainingState& TrainingState::add_int64(std::string name, int64_t& value) {
+  Item item{std::move(name), ItemKind::kInt64};
+  item.int64 = &value;
+  return add_item(std::move(item));
+}
+
+TrainingState& TrainingState::add_double(std::string name, double& value) {
+  Item item{std::move(name), ItemKind::kDouble};
+  item.number = &value;
+  return add_item(std::move(item));
+}
+
+TrainingState& TrainingState::add_string(std::string name, std::string& value) {
+  Item item{std::move(name), ItemKind::kString};
+  item.text = &value;
+  return add_item(std::move(item));
+}
+
+TrainingState& TrainingState::add_bool(std::string name, bool& value) {
+  Item item{std::move(name), ItemKind::kBool};
+  item.flag = &value;
+  return add_item(std::move(item));
+}
+
+TrainingState& TrainingState::add_rng(std::string name, at::Generator generator) {
+  TORCH_CHECK(generator.defined(), "TrainingState::add_rng('", name, "'): the generator is undefined");
+  Item item{std::move(name), ItemKind::kRng};
+  item.generator = std::move(generator);
+  return add_item(std::move(item));
+}
+
+std::vector<std::string> TrainingState::names() const {
+  std::vector<std::string> out;
+  for (const auto& item : items_) out.push_back(item.name);
+  return out;
+}
+
+// ---------------------------------------------------------------------------
+// Save
+
+namespace {
+
+// What a save writes, collected from the items: the manifest's extra and
+// the tensors of each directory.
+struct StagedState {
+  std::string extra_json;
+  std::vector<std::pair<std::string, StateDict>> dirs;
+};
+
+StagedState collect_items(TrainingState& state) {
+  auto& items = TrainingStateAccess::items(state);
+
+  // Collect every item's state before anything is written, so that a bad
+  // item fails the save before the transaction starts.
+  json extra = json::object();
+  json described = json::object();
+  std::vector<std::pair<const Item*, StatefulState>> statefuls;
+  StateDict user_tensors;
+  const auto claim = [&](const std::string& key, const std::string& owner) {
+    TORCH_CHECK(key != kTrainingStateKey && !extra.contains(key), "save_training_state: ", owner, " stores '", key,
+                "' in the manifest's extra, where ",
+                key == kTrainingStateKey ? std::string("the training state's description") : "another item",
+                " already is; rename the item or the member");
+  };
+  for (const Item& item : items) {
+    const std::string& name = item.name;
+    json entry = {{"kind", kind_name(item.kind)}};
+    switch (item.kind) {
+      case ItemKind::kStateful: {
+        StatefulState s = item.stateful->state_dict();
+        json keys = json::array();
+        for (const auto& [key, text] : s.json) {
+          claim(key, "Stateful '" + name + "'");
+          extra[key] = detail::parse_json_strict(
+              text, "save_training_state: the JSON member '" + key + "' of Stateful '" + name + "'");
+          keys.push_back(key);
+        }
+        entry["json_keys"] = std::move(keys);
+        entry["tensors"] = static_cast<int64_t>(s.tensors.size());
+        statefuls.emplace_back(&item, std::move(s));
+        break;
+      }
+      case ItemKind::kTensor: user_tensors.insert(name, *item.tensor); break;
+      case ItemKind::kJson:
+        claim(name, "add_json");
+        extra[name] = detail::parse_json_strict(*item.text, "save_training_state: the JSON value '" + name + "'");
+        break;
+      case ItemKind::kInt64:
+        claim(name, "add_int64");
+        extra[name] = *item.int64;
+        break;
+      case ItemKind::kDouble:
+        claim(name, "add_double");
+        extra[name] = *item.number;
+        break;
+      case ItemKind::kString:
+        claim(name, "add_string");
+        extra[name] = *item.text;
+        break;
+      case ItemKind::kBool:
+        claim(name, "add_bool");
+        extra[name] = *item.flag;
+        break;
+      case ItemKind::kRng: {
+        claim(name, "add_rng");
+        at::Generator gen = *item.generator;
+        extra[name] = generator_state_hex(gen);
+        break;
+      }
+    }
+    described[name] = std::move(entry);
+  }
+  extra[kTrainingStateKey] = {{"version", 1}, {"items", std::move(described)}};
+
+  StagedState staged;
+  for (auto& [item, st] : statefuls) staged.dirs.emplace_back(item->name, std::move(st.tensors));
+  if (!user_tensors.empty()) staged.dirs.emplace_back(kUserTensorsDir, std::move(user_tensors));
+  staged.extra_json = extra.dump();
+  return staged;
+}
+
+TrainingStateSaveResult write_staged(const StagedState& staged, const std::string& root, int64_t step,
+                                     const std::shared_ptr<Communicator>& group,
+                                     const TrainingStateSaveOptions& options) {
+  const auto start = Clock::now();
+  CheckpointWriterOptions writer_options;
+  writer_options.fsync = options.fsync;
+  writer_options.mesh = options.mesh;
+  writer_options.timeout = options.timeout;
+  CheckpointWriter writer(root, step, group, writer_options);
+  SaveOptions save_options;
+  save_options.fsync = options.fsync;
+  TrainingStateSaveResult result;
+  for (const auto& [name, tensors] : staged.dirs) {
+    const SaveResult saved = save_sharded(tensors, writer.subdir(name), group->rank(), save_options);
+    writer.record(saved);
+    result.bytes += saved.bytes;
+  }
+  result.dir = writer.commit(staged.extra_json);
+  if (options.keep > 0 && group->rank() == 0) prune_checkpoints(root, options.keep);
+  result.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  return result;
+}
+
+// A copy of `value` in fresh host memory, so that training may change the
+// live tensor while a background thread writes the copy. Values that share
+// memory (tied weights) share their copy, so save_sharded still writes them
+// once.
+StateValue copy_to_host(
+    const StateValue& value,
+    std::map<std::tuple<const void*, int64_t, std::vector<int64_t>, std::vector<int64_t>>, at::Tensor>& copies) {
+  const at::Tensor& local = value.local();
+  at::Tensor host;
+  const auto key = std::make_tuple(local.has_storage() ? local.storage().data() : nullptr, local.storage_offset(),
+                                   local.sizes().vec(), local.strides().vec());
+  const auto found = local.numel() > 0 ? copies.find(key) : copies.end();
+  if (found != copies.end()) {
+    host = found->second;
+  } else {
+    host =
+        local.is_cpu() ? local.detach().clone(at::MemoryFormat::Contiguous) : local.detach().to(at::kCPU).contiguous();
+    if (local.numel() > 0) copies.emplace(key, host);
+  }
+  if (!value.is_dtensor()) return host;
+  const DTensor& dt = value.dtensor();
+  return DTensor::from_local(host, dt.mesh(), dt.placements(), dt.shape());
+}
+
+}  // namespace
+
+TrainingStateSaveResult save_training_state(const std::string& root, int64_t step, TrainingState& state,
+                                            const std::shared_ptr<Communicator>& group,
+                                            const TrainingStateSaveOptions& options) {
+  TORCH_CHECK(group != nullptr, "save_training_state: the group is null; pass the run's world group");
+  const auto start = Clock::now();
+  TrainingStateSaveResult result = write_staged(collect_items(state), root, step, group, options);
+  result.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  return result;
+}
+
+// ---------------------------------------------------------------------------
+// AsyncTrainingStateSaver
+
+AsyncTrainingStateSaver::AsyncTrainingStateSaver(std::shared_ptr<Communicator> group) : group_(std::move(group)) {
+  TORCH_CHECK(group_ != nullptr, "AsyncTrainingStateSaver: the group is null; pass a communicator of its own ",
+              "(World::new_group(world->all_ranks(), c10::kCPU))");
+}
+
+AsyncTrainingStateSaver::~AsyncTrainingStateSaver() {
+  if (!in_flight_.valid()) return;
+  try {
+    in_flight_.get();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "AsyncTrainingStateSaver: the save in flight at destruction failed: %s\n", e.what());
+  }
+}
+
+AsyncSaveStaged AsyncTrainingStateSaver::save(const std::string& root, int64_t step, TrainingState& state,
+                                              const TrainingStateSaveOptions& options) {
+  const auto start = Clock::now();
+  // At most one save in flight: finish (and report) the previous one first.
+  wait();
+  StagedState staged = collect_items(state);
+  AsyncSaveStaged out;
+  std::map<std::tuple<const void*, int64_t, std::vector<int64_t>, std::vector<int64_t>>, at::Tensor> copies;
+  for (auto& [name, tensors] : staged.dirs) {
+    StateDict host;
+    for (const auto& [key, value] : tensors) {
+      host.insert(key, copy_to_host(value, copies));
+    }
+    tensors = std::move(host);
+  }
+  for (const auto& [key, copy] : copies) out.staged_bytes += static_cast<int64_t>(copy.nbytes());
+  in_flight_ = std::async(std::launch::async, [staged = std::move(staged), root, step, group = group_, options]() {
+    return write_staged(staged, root, step, group, options);
+  });
+  out.blocked_seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  return out;
+}
+
+std::optional<TrainingStateSaveResult> AsyncTrainingStateSaver::wait() {
+  if (!in_flight_.valid()) return std::nullopt;
+  // get() leaves the future empty, also when it rethrows the save's error.
+  return in_flight_.get();
+}
+
+// ---------------------------------------------------------------------------
+// Load
+
+TrainingStateLoadResult load_training_state(const std::string& dir, TrainingState& state,
+                                            const std::shared_ptr<Communicator>& group,
+                                            const TrainingStateLoadOptions& options) {
+  TORCH_CHECK(group != nullptr, "load_training_state: the group is null; pass the run's world group");
+  const auto start = Clock::now();
+  auto& items = TrainingStateAccess::items(state);
+
+  TORCH_CHECK(detail::is_directory(dir), "load_training_state: the checkpoint directory '", dir,
+              "' does not exist; pass a ROOT/step-N directory that save_training_state wrote, or call ",
+              "load_latest_training_state(ROOT, ...), which starts fresh when ROOT holds no checkpoint");
+  TORCH_CHECK(detail::is_regular_file(detail::join_path(dir, kManifestFileName)), "load_training_state: '", dir,
+              "' has no ", kManifestFileName, ", so it is not a complete checkpoint (a save that did not finish ",
+              "leaves ROOT/.tmp-step-N); load one that list_checkpoints(ROOT) lists");
+  if (options.verify) verify_on_rank0(dir, *group);
+  const CheckpointManifest manifest = read_manifest(dir);
+  const std::string manifest_path = detail::join_path(dir, kManifestFileName);
+  const json extra = detail::parse_json_strict(manifest.extra_json, manifest_path + " (extra)");
+  TORCH_CHECK(extra.is_object() && extra.contains(kTrainingStateKey) && extra[kTrainingStateKey].is_object() &&
+                  extra[kTrainingStateKey].contains("items") && extra[kTrainingStateKey]["items"].is_object(),
+              "load_training_state: ", manifest_path, " has no \"extra\": {\"", kTrainingStateKey,
+              "\": {\"items\": ...}}, so save_training_state did not write it; load its directories with ",
+              "load_sharded and its extra JSON with read_manifest instead");
+  const json& description = extra[kTrainingStateKey];
+  TORCH_CHECK(description.value("version", 0) == 1, "load_training_state: ", manifest_path,
+              " describes a training state of version ", description.value("version", 0),
+              "; this library reads version 1: load it with the version that wrote it");
+  const json& saved_items = description["items"];
+
+  TrainingStateLoadResult result;
+  result.dir = dir;
+  result.step = manifest.step;
+  result.saved_world_size = manifest.world_size;
+  result.saved_mesh = manifest.mesh;
+
+  // Check every item before loading any.
+  std::vector<std::string> saved_names;
+  for (const auto& [name, entry] : saved_items.items())
+    saved_names.push_back(name + " (" + entry.value("kind", "?") + ")");
+  std::vector<const Item*> present;
+  for (const Item& item : items) {
+    const std::string& name = item.name;
+    const std::string registered = kind_name(item.kind);
+    if (!saved_items.contains(name)) {
+      TORCH_CHECK(!options.strict, "load_training_state: ", dir, " holds no '", name, "' (registered with ",
+                  registering_call(registered), "); it holds: ", join_names(saved_names),
+                  ". Register only what was saved, rename the item to its saved name, or load with strict = false ",
+                  "to leave it as it is");
+      result.missing_items.push_back(name);
+      continue;
+    }
+    const std::string saved = saved_items[name].value("kind", "?");
+    const bool compatible = saved == registered || (registered == "json" && is_value_kind(saved));
+    TORCH_CHECK(compatible, "load_training_state: '", name, "' in ", dir, " was saved as ", saved, " (with ",
+                registering_call(saved), ") but is registered as ", registered, " (with ", registering_call(registered),
+                "); register it with ", registering_call(saved), " or give this item another name");
+    if (is_value_kind(saved) || saved == "rng") {
+      TORCH_CHECK(extra.contains(name), "load_training_state: ", manifest_path, " describes '", name,
+                  "' but its extra holds no value for it; the manifest was edited or damaged");
+      const json& v = extra[name];
+      const bool type_ok = registered == "json" || (registered == "int64" && v.is_number_integer()) ||
+                           (registered == "double" && v.is_number()) ||
+                           ((registered == "string" || registered == "rng") && v.is_string()) ||
+                           (registered == "bool" && v.is_boolean());
+      TORCH_CHECK(type_ok, "load_training_state: '", name, "' in ", manifest_path, " is a JSON ", v.type_name(),
+                  ", not the ", registered, " it is registered as; register it with add_json to read any value");
+    }
+    present.push_back(&item);
+  }
+  for (const auto& [name, entry] : saved_items.items()) {
+    const bool registered = std::any_of(items.begin(), items.end(), [&](const Item& i) { return i.name == name; });
+    if (!registered) result.unloaded_items.push_back(name);
+  }
+
+  LoadOptions load_options;
+  load_options.strict = options.strict_tensors;
+  StateDict user_tensors;
+  for (const Item* item : present) {
+    const std::string& name = item->name;
+    switch (item->kind) {
+      case ItemKind::kStateful: {
+        StatefulState s = item->stateful->state_dict();
+        const json& entry = saved_items[name];
+        if (!s.tensors.empty() || entry.value("tensors", int64_t{0}) > 0) {
+          const LoadResult loaded = load_sharded(s.tensors, detail::join_path(dir, name), load_options);
+          result.bytes_read += loaded.bytes_read;
+        }
+        s.json.clear();
+        for (const auto& key : entry.value("json_keys", json::array())) {
+          const std::string k = key.get<std::string>();
+          TORCH_CHECK(extra.contains(k), "load_training_state: ", manifest_path, " lists '", k, "' for Stateful '",
+                      name, "' but its extra does not hold it; the manifest was edited or damaged");
+          s.json[k] = extra[k].dump();
+        }
+        item->stateful->load_state_dict(s);
+        break;
+      }
+      case ItemKind::kTensor: user_tensors.insert(name, *item->tensor); break;
+      case ItemKind::kJson: *item->text = extra[name].dump(); break;
+      case ItemKind::kInt64: *item->int64 = extra[name].get<int64_t>(); break;
+      case ItemKind::kDouble: *item->number = extra[name].get<double>(); break;
+      case ItemKind::kString: *item->text = extra[name].get<std::string>(); break;
+      case ItemKind::kBool: *item->flag = extra[name].get<bool>(); break;
+      case ItemKind::kRng: {
+        const at::Tensor bytes =
+            from_hex(extra[name].get<std::string>(), "load_training_state: the generator state '" + name + "'");
+        at::Generator gen = *item->generator;
+        std::lock_guard<std::mutex> lock(gen.mutex());
+        try {
+          gen.set_state(bytes);
+        } catch (const c10::Error& e) {
+          TORCH_CHECK(false, "load_training_state: the generator state '", name, "' in ", manifest_path,
+                      " does not fit the registered generator (", gen.device(),
+                      "); register the same kind of generator that was saved: ", e.what_without_backtrace());
+        }
+        break;
+      }
+    }
+  }
+  if (!user_tensors.empty()) {
+    // Not strict: the directory may hold tensors this state does not
+    // register; those it registers were checked above to be saved.
+    LoadOptions tensor_options;
+    tensor_options.strict = false;
+    const LoadResult loaded = load_sharded(user_tensors, detail::join_path(dir, kUserTensorsDir), tensor_options);
+    result.bytes_read += loaded.bytes_read;
+  }
+  result.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  return result;
+}
+
+std::optional<TrainingStateLoadResult> load_latest_training_state(const std::string& root, TrainingState& state,
+                                                                  const std::shared_ptr<Communicator>& group,
+                                                                  const TrainingStateLoadOptions& options) {
+  TORCH_CHECK(group != nullptr, "load_latest_training_state: the group is null; pass the run's world group");
+  const auto latest = find_latest_checkpoint(root);
+  // Every rank must agree on the checkpoint (a save could complete between
+  // two ranks' directory scans only if another job writes there).
+  const int64_t step = latest ? latest->step : -1;
+  at::Tensor steps = at::tensor({step, -step}, at::kLong);
+  group->all_reduce(steps, ReduceOp::max()).wait();
+  TORCH_CHECK(steps[0].item<int64_t>() == -steps[1].item<int64_t>(),
+              "load_latest_training_state: the ranks see different newest checkpoints in '", root,
+              "' (is another run writing there? do all ranks see the same file system?)");
+  if (!latest) return std::nullopt;
+  return load_training_state(latest->path, state, group, options);
+}
+
+}  // namespace fsdp::checkpoint
