@@ -70,13 +70,32 @@ if(NOT TARGET fsdp2cpp::torch)
   _fsdp2cpp_require_lib(FSDP2CPP_LIBTORCH_CPU torch_cpu "${FSDP2CPP_TORCH_ROOT}/lib")
   _fsdp2cpp_require_lib(FSDP2CPP_LIBC10 c10 "${FSDP2CPP_TORCH_ROOT}/lib")
   add_library(fsdp2cpp::torch INTERFACE IMPORTED)
+  # [Note: libstdc++ before libtorch] The wheel's libtorch.so and
+  # libtorch_cpu.so were built by Red Hat's GCC 13 toolset on a GCC 8 system,
+  # whose libstdc++_nonshared.a links what GCC 8's libstdc++ lacks (all of
+  # std::filesystem, GLIBCXX_3.4.26) into each library and exports it unversioned (`nm -D libtorch.so` lists
+  # remove_all, equivalent, create_directories, ... as `T`, no @GLIBCXX).
+  # libtorch.so has no NEEDED libstdc++.so.6. When it comes before
+  # libstdc++.so.6 in a program's NEEDED list (the compiler driver appends
+  # -lstdc++ last), the program's std::filesystem calls bind to libtorch.so's
+  # copies, and its remove_all calls GCC 13's
+  # recursive_directory_iterator::__erase through a weak reference that the
+  # system's GCC 12 libstdc++ does not define: a jump to address 0.
+  # Linking libstdc++ first (an option, so it precedes every library on the
+  # link line; --no-as-needed so it is kept there) makes it the first NEEDED
+  # entry: the calls bind to libstdc++, with their GLIBCXX versions, for this
+  # program and for every library it loads. docs/build.md has the evidence.
+  set(_fsdp2cpp_torch_link_options "LINKER:-rpath,${FSDP2CPP_TORCH_ROOT}/lib")
+  if(CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang" AND CMAKE_SYSTEM_NAME STREQUAL "Linux")
+    list(APPEND _fsdp2cpp_torch_link_options "LINKER:--push-state,--no-as-needed,-lstdc++,--pop-state")
+  endif()
   # Torch headers are SYSTEM so that our warning flags do not fire inside them.
   set_target_properties(fsdp2cpp::torch PROPERTIES
     INTERFACE_INCLUDE_DIRECTORIES "${FSDP2CPP_TORCH_ROOT}/include;${FSDP2CPP_TORCH_ROOT}/include/torch/csrc/api/include"
     INTERFACE_SYSTEM_INCLUDE_DIRECTORIES "${FSDP2CPP_TORCH_ROOT}/include;${FSDP2CPP_TORCH_ROOT}/include/torch/csrc/api/include"
     INTERFACE_COMPILE_DEFINITIONS "_GLIBCXX_USE_CXX11_ABI=${FSDP2CPP_TORCH_CXX11_ABI}"
     INTERFACE_LINK_LIBRARIES "${FSDP2CPP_LIBTORCH};${FSDP2CPP_LIBTORCH_CPU};${FSDP2CPP_LIBC10}"
-    INTERFACE_LINK_OPTIONS "LINKER:-rpath,${FSDP2CPP_TORCH_ROOT}/lib")
+    INTERFACE_LINK_OPTIONS "${_fsdp2cpp_torch_link_options}")
 endif()
 
 # --- CUDA ------------------------------------------------------------------

@@ -73,6 +73,12 @@ foreach(expected
   endif()
 endforeach()
 
+step("run consumer_filesystem" "${CONSUMER_BINARY_DIR}/consumer_filesystem")
+message(STATUS "consumer_filesystem output:\n${step_output}")
+if(NOT step_output MATCHES "filesystem: ok")
+  message(FATAL_ERROR "consumer test: consumer_filesystem did not report 'filesystem: ok':\n${step_output}")
+endif()
+
 if(NOT DOWNSTREAM_SOURCE_DIR)
   return()
 endif()
