@@ -3,14 +3,12 @@
 // the test body with a World made from a FileStore rendezvous.
 #include "fsdp_testing/distributed_test.h"
 
-#include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
-#include <sys/stat.h>
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -18,6 +16,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iomanip>
 #include <iostream>
@@ -25,6 +24,7 @@
 #include <mutex>
 #include <sstream>
 #include <stdexcept>
+#include <system_error>
 #include <thread>
 
 #include <ATen/Context.h>
@@ -100,30 +100,20 @@ std::string marker_path(const std::string& dir, int rank, int call) {
   return dir + "/rank-" + std::to_string(rank) + "-call-" + std::to_string(call) + ".ran";
 }
 
-// [Note: no std::filesystem] The torch wheel's libtorch.so exports its own
-// copy of std::filesystem, and calls from here bind to it and crash; the
-// harness uses POSIX calls instead.
+// std::filesystem is safe here: fsdp2cpp::torch links libstdc++ ahead of
+// libtorch.so ([Note: libstdc++ before libtorch] in cmake/Fsdp2cppTorch.cmake).
 bool file_exists(const std::string& path) {
-  struct stat st;
-  return ::stat(path.c_str(), &st) == 0;
+  std::error_code ec;
+  return std::filesystem::exists(path, ec);
 }
 
-// Removes a flat directory (the harness creates no subdirectories).
+// Best effort: a leftover temporary directory must not fail the test.
 void remove_dir(const std::string& dir) {
-  if (DIR* d = ::opendir(dir.c_str())) {
-    while (const dirent* entry = ::readdir(d)) {
-      const std::string name = entry->d_name;
-      if (name != "." && name != "..") ::unlink((dir + "/" + name).c_str());
-    }
-    ::closedir(d);
-  }
-  ::rmdir(dir.c_str());
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
 }
 
-std::string parent_dir(const std::string& path) {
-  const size_t slash = path.rfind('/');
-  return slash == std::string::npos ? "." : path.substr(0, slash);
-}
+std::string parent_dir(const std::string& path) { return std::filesystem::path(path).parent_path().string(); }
 
 std::string read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
