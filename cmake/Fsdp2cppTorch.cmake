@@ -268,7 +268,12 @@ if(NOT TARGET fsdp2cpp::torch)
     INTERFACE_INCLUDE_DIRECTORIES "${FSDP2CPP_TORCH_ROOT}/include;${FSDP2CPP_TORCH_ROOT}/include/torch/csrc/api/include"
     INTERFACE_SYSTEM_INCLUDE_DIRECTORIES "${FSDP2CPP_TORCH_ROOT}/include;${FSDP2CPP_TORCH_ROOT}/include/torch/csrc/api/include"
     INTERFACE_COMPILE_DEFINITIONS "_GLIBCXX_USE_CXX11_ABI=${FSDP2CPP_TORCH_CXX11_ABI}"
-    INTERFACE_LINK_LIBRARIES "${FSDP2CPP_LIBTORCH};${FSDP2CPP_LIBTORCH_CPU};${FSDP2CPP_LIBC10}"
+    # --no-as-needed: the program itself needs the three libraries, so the
+    # loader finds them through the program's -rpath (the torch this
+    # configure found) before our libraries, whose RUNPATH names the torch
+    # they were built with, ask for them by soname.
+    INTERFACE_LINK_LIBRARIES
+      "-Wl,--push-state,--no-as-needed;${FSDP2CPP_LIBTORCH};${FSDP2CPP_LIBTORCH_CPU};${FSDP2CPP_LIBC10};-Wl,--pop-state"
     INTERFACE_LINK_OPTIONS "${_fsdp2cpp_torch_link_options}")
 endif()
 

@@ -163,6 +163,19 @@ step("build" "${CMAKE_COMMAND}" --build "${CONSUMER_BINARY_DIR}")
 
 step("run" "${CONSUMER_BINARY_DIR}/consumer")
 message(STATUS "consumer output:\n${step_output}")
+# The program itself finds LibTorch, through its own RUNPATH (the torch its
+# configure chose), not through the installed libraries' RUNPATH, which
+# names the torch they were built with and breaks when that one is deleted.
+execute_process(COMMAND "${CMAKE_COMMAND}" -E env LD_DEBUG=libs "${CONSUMER_BINARY_DIR}/consumer"
+                OUTPUT_QUIET ERROR_VARIABLE loader_log)
+foreach(lib libtorch.so libtorch_cpu.so libc10.so)
+  string(REPLACE "." "\\." lib_re "${lib}")
+  if(NOT loader_log MATCHES "find library=${lib_re} \\[0\\]; searching\n[^\n]*search path=[^\n]*\\(RUNPATH from file [^\n]*/consumer\\)")
+    message(FATAL_ERROR "consumer test: the consumer program does not load ${lib} through its own RUNPATH "
+                        "(LD_DEBUG=libs):\n${loader_log}")
+  endif()
+endforeach()
+message(STATUS "consumer test: LibTorch found through the program's RUNPATH: ok")
 foreach(expected
     "chunk_extent\\(10, 4, 3\\) = {9, 1}; torch.chunk: {9, 1}"
     "reduce op: [A-Za-z]"
