@@ -11,10 +11,179 @@
 # Targets over the wheel's own libraries are small and exact.
 include_guard(GLOBAL)
 
-if(NOT FSDP2CPP_TORCH_ROOT)
-  if(NOT FSDP2CPP_PYTHON AND DEFINED ENV{FSDP2CPP_PYTHON})
-    set(FSDP2CPP_PYTHON "$ENV{FSDP2CPP_PYTHON}")
+# How to point fsdp2cpp at a torch, for the error messages below.
+string(CONCAT _fsdp2cpp_torch_hint
+  "Point it at a torch package (the one fsdp2cpp was built with, or the same version) with one of:\n"
+  "  -DTorch_DIR=<site-packages>/torch/share/cmake/Torch\n"
+  "      (python -c \"import torch.utils; print(torch.utils.cmake_prefix_path + '/Torch')\" prints it)\n"
+  "  -DFSDP2CPP_PYTHON=<a python that can import torch> (or the environment variable FSDP2CPP_PYTHON)\n"
+  "  -DFSDP2CPP_TORCH_ROOT=<site-packages>/torch\n"
+  "or put <site-packages>/torch/share/cmake on CMAKE_PREFIX_PATH.")
+
+# Whether `dir` is the root of a torch package (holds include/ and lib/).
+function(_fsdp2cpp_is_torch_root dir out)
+  if(dir AND EXISTS "${dir}/lib/libtorch_cpu.so" AND EXISTS "${dir}/include/ATen/ATen.h")
+    set(${out} TRUE PARENT_SCOPE)
+  else()
+    set(${out} FALSE PARENT_SCOPE)
   endif()
+endfunction()
+
+# torch.__version__ of the package at `dir` (read from its version.py), or "".
+function(_fsdp2cpp_torch_version dir out)
+  set(version "")
+  if(EXISTS "${dir}/version.py")
+    file(STRINGS "${dir}/version.py" lines REGEX "^__version__ *=")
+    if(lines MATCHES "['\"]([^'\"]+)['\"]")
+      set(version "${CMAKE_MATCH_1}")
+    endif()
+  endif()
+  set(${out} "${version}" PARENT_SCOPE)
+endfunction()
+
+# Asks `python` where its torch is: sets <prefix>_ROOT, <prefix>_VERSION and
+# <prefix>_ABI, or <prefix>_ERROR when it cannot import torch.
+function(_fsdp2cpp_torch_from_python python prefix)
+  execute_process(
+    COMMAND "${python}" -c
+      "import torch.utils, torch; print(torch.utils.cmake_prefix_path); print(torch.__version__); print(int(torch.compiled_with_cxx11_abi()))"
+    OUTPUT_VARIABLE out RESULT_VARIABLE rc ERROR_VARIABLE err OUTPUT_STRIP_TRAILING_WHITESPACE)
+  if(NOT rc EQUAL 0)
+    string(STRIP "${err}" err)
+    set(${prefix}_ERROR "'${python}' cannot import torch (${rc}: ${err})" PARENT_SCOPE)
+    return()
+  endif()
+  string(REPLACE "\n" ";" out "${out}")
+  list(GET out 0 cmake_prefix)
+  list(GET out 1 version)
+  list(GET out 2 abi)
+  get_filename_component(root "${cmake_prefix}/../.." ABSOLUTE)
+  set(${prefix}_ROOT "${root}" PARENT_SCOPE)
+  set(${prefix}_VERSION "${version}" PARENT_SCOPE)
+  set(${prefix}_ABI "${abi}" PARENT_SCOPE)
+  set(${prefix}_ERROR "" PARENT_SCOPE)
+endfunction()
+
+if(NOT FSDP2CPP_PYTHON AND DEFINED ENV{FSDP2CPP_PYTHON})
+  set(FSDP2CPP_PYTHON "$ENV{FSDP2CPP_PYTHON}")
+endif()
+
+if(DEFINED FSDP2CPP_TORCH_RECORDED_ROOT AND NOT FSDP2CPP_TORCH_ROOT)
+  # [Note: finding torch from the installed package] The package records the
+  # torch it was built with, but that torch may be gone (it often lives in
+  # the .venv of the clone that was installed from). In order, the first
+  # that is given wins, and a location given explicitly must be a torch:
+  #   FSDP2CPP_TORCH_ROOT (variable or environment), Torch_DIR (variable or
+  #   environment), FSDP2CPP_PYTHON (variable or environment); then the
+  #   recorded root if it still exists; then a Torch/TorchConfig.cmake on
+  #   CMAKE_PREFIX_PATH; then the torch of `python3` on PATH.
+  set(_root "")
+  set(_how "")
+  if(DEFINED ENV{FSDP2CPP_TORCH_ROOT} AND NOT "$ENV{FSDP2CPP_TORCH_ROOT}" STREQUAL "")
+    set(_root "$ENV{FSDP2CPP_TORCH_ROOT}")
+    set(_how "the environment variable FSDP2CPP_TORCH_ROOT=${_root}")
+  endif()
+  if(NOT _root)
+    set(_torch_dir "")
+    if(Torch_DIR)
+      set(_torch_dir "${Torch_DIR}")
+      set(_how "Torch_DIR=${Torch_DIR}")
+    elseif(DEFINED ENV{Torch_DIR} AND NOT "$ENV{Torch_DIR}" STREQUAL "")
+      set(_torch_dir "$ENV{Torch_DIR}")
+      set(_how "the environment variable Torch_DIR=${_torch_dir}")
+    endif()
+    if(_torch_dir)
+      if(NOT EXISTS "${_torch_dir}/TorchConfig.cmake")
+        message(FATAL_ERROR "fsdp2cpp: ${_how} has no TorchConfig.cmake: it is not the share/cmake/Torch "
+                            "directory of a torch package.\n${_fsdp2cpp_torch_hint}")
+      endif()
+      get_filename_component(_root "${_torch_dir}/../../.." ABSOLUTE)
+    endif()
+  endif()
+  if(NOT _root AND FSDP2CPP_PYTHON)
+    _fsdp2cpp_torch_from_python("${FSDP2CPP_PYTHON}" _py)
+    if(_py_ERROR)
+      message(FATAL_ERROR "fsdp2cpp: FSDP2CPP_PYTHON: ${_py_ERROR}.\n${_fsdp2cpp_torch_hint}")
+    endif()
+    set(_root "${_py_ROOT}")
+    set(_how "FSDP2CPP_PYTHON=${FSDP2CPP_PYTHON}")
+  endif()
+  if(_root)
+    _fsdp2cpp_is_torch_root("${_root}" _ok)
+    if(NOT _ok)
+      message(FATAL_ERROR "fsdp2cpp: ${_how} does not lead to a torch package: ${_root} has no "
+                          "lib/libtorch_cpu.so and include/ATen/ATen.h.\n${_fsdp2cpp_torch_hint}")
+    endif()
+  else()
+    _fsdp2cpp_is_torch_root("${FSDP2CPP_TORCH_RECORDED_ROOT}" _ok)
+    if(_ok)
+      set(_root "${FSDP2CPP_TORCH_RECORDED_ROOT}")
+      set(_how "the torch recorded at installation")
+    endif()
+  endif()
+  if(NOT _root)
+    # As find_package(Torch) would look: <prefix>/Torch or
+    # <prefix>/share/cmake/Torch (torch.utils.cmake_prefix_path is <torch>/share/cmake).
+    set(_prefixes ${CMAKE_PREFIX_PATH})
+    if(DEFINED ENV{CMAKE_PREFIX_PATH})
+      string(REPLACE ":" ";" _env_prefixes "$ENV{CMAKE_PREFIX_PATH}")
+      list(APPEND _prefixes ${_env_prefixes})
+    endif()
+    foreach(_prefix IN LISTS _prefixes)
+      foreach(_config_dir "${_prefix}/Torch" "${_prefix}/share/cmake/Torch")
+        if(EXISTS "${_config_dir}/TorchConfig.cmake")
+          get_filename_component(_candidate "${_config_dir}/../../.." ABSOLUTE)
+          _fsdp2cpp_is_torch_root("${_candidate}" _ok)
+          if(_ok)
+            set(_root "${_candidate}")
+            set(_how "CMAKE_PREFIX_PATH (${_config_dir})")
+            break()
+          endif()
+        endif()
+      endforeach()
+      if(_root)
+        break()
+      endif()
+    endforeach()
+  endif()
+  if(NOT _root)
+    find_program(_fsdp2cpp_python3 NAMES python3 NO_CACHE)
+    if(_fsdp2cpp_python3)
+      _fsdp2cpp_torch_from_python("${_fsdp2cpp_python3}" _py)
+      if(NOT _py_ERROR)
+        _fsdp2cpp_is_torch_root("${_py_ROOT}" _ok)
+        if(_ok)
+          set(_root "${_py_ROOT}")
+          set(_how "${_fsdp2cpp_python3} on PATH")
+        endif()
+      endif()
+    endif()
+  endif()
+  if(NOT _root)
+    message(FATAL_ERROR "fsdp2cpp: cannot find torch. The package was built with torch "
+                        "${FSDP2CPP_TORCH_RECORDED_VERSION} at ${FSDP2CPP_TORCH_RECORDED_ROOT}, which is no "
+                        "longer there, and no other was given.\n${_fsdp2cpp_torch_hint}")
+  endif()
+  # The libraries were built against one torch: another minor or patch
+  # version is an ABI break, another build of the same version (+cpu, +cu1xx)
+  # may lack what the package needs.
+  _fsdp2cpp_torch_version("${_root}" _found_version)
+  string(REGEX MATCH "^[0-9]+\\.[0-9]+\\.[0-9]+" _found_release "${_found_version}")
+  string(REGEX MATCH "^[0-9]+\\.[0-9]+\\.[0-9]+" _recorded_release "${FSDP2CPP_TORCH_RECORDED_VERSION}")
+  if(_found_release AND _recorded_release AND NOT _found_release STREQUAL _recorded_release)
+    message(FATAL_ERROR "fsdp2cpp: the torch found through ${_how} (${_root}) is ${_found_version}, but fsdp2cpp "
+                        "was built with torch ${FSDP2CPP_TORCH_RECORDED_VERSION}: LibTorch has no stable ABI "
+                        "across versions. Rebuild fsdp2cpp against it, or point the package at a torch "
+                        "${_recorded_release}.\n${_fsdp2cpp_torch_hint}")
+  elseif(_found_version AND NOT _found_version STREQUAL FSDP2CPP_TORCH_RECORDED_VERSION)
+    message(WARNING "fsdp2cpp: using torch ${_found_version} at ${_root}; fsdp2cpp was built with "
+                    "${FSDP2CPP_TORCH_RECORDED_VERSION}")
+  endif()
+  set(FSDP2CPP_TORCH_ROOT "${_root}")
+  set(FSDP2CPP_TORCH_VERSION "${_found_version}")
+  message(STATUS "fsdp2cpp: torch ${FSDP2CPP_TORCH_VERSION} at ${FSDP2CPP_TORCH_ROOT} (from ${_how})")
+elseif(NOT FSDP2CPP_TORCH_ROOT)
+  # The build: the torch of FSDP2CPP_PYTHON, default .venv/bin/python.
   if(NOT FSDP2CPP_PYTHON)
     if(EXISTS "${CMAKE_SOURCE_DIR}/.venv/bin/python")
       set(FSDP2CPP_PYTHON "${CMAKE_SOURCE_DIR}/.venv/bin/python")
@@ -22,23 +191,26 @@ if(NOT FSDP2CPP_TORCH_ROOT)
       find_program(FSDP2CPP_PYTHON NAMES python3 python REQUIRED)
     endif()
   endif()
-  execute_process(
-    COMMAND "${FSDP2CPP_PYTHON}" -c
-      "import torch.utils, torch; print(torch.utils.cmake_prefix_path); print(torch.__version__); print(int(torch.compiled_with_cxx11_abi()))"
-    OUTPUT_VARIABLE _fsdp2cpp_torch_out RESULT_VARIABLE _fsdp2cpp_torch_rc
-    ERROR_VARIABLE _fsdp2cpp_torch_err OUTPUT_STRIP_TRAILING_WHITESPACE)
-  if(NOT _fsdp2cpp_torch_rc EQUAL 0)
-    message(FATAL_ERROR "fsdp2cpp: '${FSDP2CPP_PYTHON}' cannot import torch (${_fsdp2cpp_torch_err}). "
+  _fsdp2cpp_torch_from_python("${FSDP2CPP_PYTHON}" _py)
+  if(_py_ERROR)
+    message(FATAL_ERROR "fsdp2cpp: ${_py_ERROR}. "
                         "Run scripts/bootstrap.sh, or pass -DFSDP2CPP_PYTHON=<python with torch 2.11>.")
   endif()
-  string(REPLACE "\n" ";" _fsdp2cpp_torch_out "${_fsdp2cpp_torch_out}")
-  list(GET _fsdp2cpp_torch_out 0 _prefix)
-  list(GET _fsdp2cpp_torch_out 1 FSDP2CPP_TORCH_VERSION)
-  list(GET _fsdp2cpp_torch_out 2 FSDP2CPP_TORCH_CXX11_ABI)
-  get_filename_component(FSDP2CPP_TORCH_ROOT "${_prefix}/../.." ABSOLUTE)
-  set(FSDP2CPP_TORCH_ROOT "${FSDP2CPP_TORCH_ROOT}" CACHE PATH "Root of the torch package (holds include/ and lib/)")
-  set(FSDP2CPP_TORCH_CXX11_ABI "${FSDP2CPP_TORCH_CXX11_ABI}" CACHE STRING "torch's _GLIBCXX_USE_CXX11_ABI")
+  set(FSDP2CPP_TORCH_ROOT "${_py_ROOT}" CACHE PATH "Root of the torch package (holds include/ and lib/)")
+  set(FSDP2CPP_TORCH_CXX11_ABI "${_py_ABI}" CACHE STRING "torch's _GLIBCXX_USE_CXX11_ABI")
+  set(FSDP2CPP_TORCH_VERSION "${_py_VERSION}")
   message(STATUS "fsdp2cpp: torch ${FSDP2CPP_TORCH_VERSION} at ${FSDP2CPP_TORCH_ROOT}")
+elseif(DEFINED FSDP2CPP_TORCH_RECORDED_ROOT)
+  # The installed package, given FSDP2CPP_TORCH_ROOT.
+  _fsdp2cpp_is_torch_root("${FSDP2CPP_TORCH_ROOT}" _ok)
+  if(NOT _ok)
+    message(FATAL_ERROR "fsdp2cpp: FSDP2CPP_TORCH_ROOT=${FSDP2CPP_TORCH_ROOT} is not a torch package: it has no "
+                        "lib/libtorch_cpu.so and include/ATen/ATen.h.\n${_fsdp2cpp_torch_hint}")
+  endif()
+  message(STATUS "fsdp2cpp: torch at ${FSDP2CPP_TORCH_ROOT} (from FSDP2CPP_TORCH_ROOT)")
+endif()
+if(NOT FSDP2CPP_TORCH_VERSION)
+  _fsdp2cpp_torch_version("${FSDP2CPP_TORCH_ROOT}" FSDP2CPP_TORCH_VERSION)
 endif()
 # The Python whose torch the build uses, for the tests and benchmarks that run
 # PyTorch itself (interop checks, PyTorch FSDP2 baselines): FSDP2CPP_PYTHON
@@ -59,10 +231,12 @@ if(NOT DEFINED FSDP2CPP_TORCH_CXX11_ABI)
 endif()
 
 function(_fsdp2cpp_require_lib var name dir)
-  find_library(${var} NAMES ${name} PATHS "${dir}" NO_DEFAULT_PATH)
+  # Not cached: a later configure with another torch root finds its own.
+  find_library(${var} NAMES ${name} PATHS "${dir}" NO_DEFAULT_PATH NO_CACHE)
   if(NOT ${var})
     message(FATAL_ERROR "fsdp2cpp: ${name} not found under ${dir}")
   endif()
+  set(${var} "${${var}}" PARENT_SCOPE)
 endfunction()
 
 if(NOT TARGET fsdp2cpp::torch)
@@ -70,13 +244,37 @@ if(NOT TARGET fsdp2cpp::torch)
   _fsdp2cpp_require_lib(FSDP2CPP_LIBTORCH_CPU torch_cpu "${FSDP2CPP_TORCH_ROOT}/lib")
   _fsdp2cpp_require_lib(FSDP2CPP_LIBC10 c10 "${FSDP2CPP_TORCH_ROOT}/lib")
   add_library(fsdp2cpp::torch INTERFACE IMPORTED)
+  # [Note: libstdc++ before libtorch] The wheel's libtorch.so and
+  # libtorch_cpu.so were built by Red Hat's GCC 13 toolset on a GCC 8 system,
+  # whose libstdc++_nonshared.a links what GCC 8's libstdc++ lacks (all of
+  # std::filesystem, GLIBCXX_3.4.26) into each library and exports it unversioned (`nm -D libtorch.so` lists
+  # remove_all, equivalent, create_directories, ... as `T`, no @GLIBCXX).
+  # libtorch.so has no NEEDED libstdc++.so.6. When it comes before
+  # libstdc++.so.6 in a program's NEEDED list (the compiler driver appends
+  # -lstdc++ last), the program's std::filesystem calls bind to libtorch.so's
+  # copies, and its remove_all calls GCC 13's
+  # recursive_directory_iterator::__erase through a weak reference that the
+  # system's GCC 12 libstdc++ does not define: a jump to address 0.
+  # Linking libstdc++ first (an option, so it precedes every library on the
+  # link line; --no-as-needed so it is kept there) makes it the first NEEDED
+  # entry: the calls bind to libstdc++, with their GLIBCXX versions, for this
+  # program and for every library it loads. docs/build.md has the evidence.
+  set(_fsdp2cpp_torch_link_options "LINKER:-rpath,${FSDP2CPP_TORCH_ROOT}/lib")
+  if(CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang" AND CMAKE_SYSTEM_NAME STREQUAL "Linux")
+    list(APPEND _fsdp2cpp_torch_link_options "LINKER:--push-state,--no-as-needed,-lstdc++,--pop-state")
+  endif()
   # Torch headers are SYSTEM so that our warning flags do not fire inside them.
   set_target_properties(fsdp2cpp::torch PROPERTIES
     INTERFACE_INCLUDE_DIRECTORIES "${FSDP2CPP_TORCH_ROOT}/include;${FSDP2CPP_TORCH_ROOT}/include/torch/csrc/api/include"
     INTERFACE_SYSTEM_INCLUDE_DIRECTORIES "${FSDP2CPP_TORCH_ROOT}/include;${FSDP2CPP_TORCH_ROOT}/include/torch/csrc/api/include"
     INTERFACE_COMPILE_DEFINITIONS "_GLIBCXX_USE_CXX11_ABI=${FSDP2CPP_TORCH_CXX11_ABI}"
-    INTERFACE_LINK_LIBRARIES "${FSDP2CPP_LIBTORCH};${FSDP2CPP_LIBTORCH_CPU};${FSDP2CPP_LIBC10}"
-    INTERFACE_LINK_OPTIONS "LINKER:-rpath,${FSDP2CPP_TORCH_ROOT}/lib")
+    # --no-as-needed: the program itself needs the three libraries, so the
+    # loader finds them through the program's -rpath (the torch this
+    # configure found) before our libraries, whose RUNPATH names the torch
+    # they were built with, ask for them by soname.
+    INTERFACE_LINK_LIBRARIES
+      "-Wl,--push-state,--no-as-needed;${FSDP2CPP_LIBTORCH};${FSDP2CPP_LIBTORCH_CPU};${FSDP2CPP_LIBC10};-Wl,--pop-state"
+    INTERFACE_LINK_OPTIONS "${_fsdp2cpp_torch_link_options}")
 endif()
 
 # --- CUDA ------------------------------------------------------------------

@@ -3,14 +3,12 @@
 // the test body with a World made from a FileStore rendezvous.
 #include "fsdp_testing/distributed_test.h"
 
-#include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
-#include <sys/stat.h>
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -18,6 +16,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iomanip>
 #include <iostream>
@@ -25,6 +24,7 @@
 #include <mutex>
 #include <sstream>
 #include <stdexcept>
+#include <system_error>
 #include <thread>
 
 #include <ATen/Context.h>
@@ -48,6 +48,7 @@ constexpr const char* kNameVar = "FSDP2CPP_TEST_NAME";
 constexpr const char* kCallVar = "FSDP2CPP_TEST_CALL";
 constexpr const char* kParentVar = "FSDP2CPP_TEST_PARENT_PID";
 constexpr size_t kOutputTail = 8 * 1024;
+constexpr size_t kOutputTailLines = 40;
 constexpr std::chrono::milliseconds kPollInterval{20};
 
 // The current test and the index of this run_distributed call within it.
@@ -100,30 +101,20 @@ std::string marker_path(const std::string& dir, int rank, int call) {
   return dir + "/rank-" + std::to_string(rank) + "-call-" + std::to_string(call) + ".ran";
 }
 
-// [Note: no std::filesystem] The torch wheel's libtorch.so exports its own
-// copy of std::filesystem, and calls from here bind to it and crash; the
-// harness uses POSIX calls instead.
+// std::filesystem is safe here: fsdp2cpp::torch links libstdc++ ahead of
+// libtorch.so ([Note: libstdc++ before libtorch] in cmake/Fsdp2cppTorch.cmake).
 bool file_exists(const std::string& path) {
-  struct stat st;
-  return ::stat(path.c_str(), &st) == 0;
+  std::error_code ec;
+  return std::filesystem::exists(path, ec);
 }
 
-// Removes a flat directory (the harness creates no subdirectories).
+// Best effort: a leftover temporary directory must not fail the test.
 void remove_dir(const std::string& dir) {
-  if (DIR* d = ::opendir(dir.c_str())) {
-    while (const dirent* entry = ::readdir(d)) {
-      const std::string name = entry->d_name;
-      if (name != "." && name != "..") ::unlink((dir + "/" + name).c_str());
-    }
-    ::closedir(d);
-  }
-  ::rmdir(dir.c_str());
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
 }
 
-std::string parent_dir(const std::string& path) {
-  const size_t slash = path.rfind('/');
-  return slash == std::string::npos ? "." : path.substr(0, slash);
-}
+std::string parent_dir(const std::string& path) { return std::filesystem::path(path).parent_path().string(); }
 
 std::string read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -147,6 +138,103 @@ std::string exception_text(const std::exception_ptr& error) {
   } catch (...) {
     return "an exception of unknown type";
   }
+}
+
+// ---- reading a rank's output -------------------------------------------------
+
+// One GoogleTest failure that a rank printed: "<file>:<line>: Failure" and the
+// message lines after it.
+struct PrintedFailure {
+  std::string file;  // empty for GoogleTest's "unknown file"
+  int line = -1;
+  std::string message;
+  bool operator==(const PrintedFailure& o) const { return file == o.file && line == o.line && message == o.message; }
+};
+
+std::vector<std::string> split_lines(const std::string& text) {
+  std::vector<std::string> lines;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  return lines;
+}
+
+// "[ RUN      ]", "[  FAILED  ]", "[==========]", ...
+bool is_gtest_status_line(const std::string& line) { return line.size() >= 12 && line[0] == '[' && line[11] == ']'; }
+
+// Lines that every rank prints and that say nothing about the failure.
+bool is_boilerplate(const std::string& line) {
+  return is_gtest_status_line(line) || line.rfind("Note: Google Test filter = ", 0) == 0 ||
+         line.rfind("Running main() from ", 0) == 0 || line.rfind("fsdp2cpp: rank ", 0) == 0 || line.empty();
+}
+
+// Parses "<file>:<line>: Failure" (or "unknown file: Failure").
+bool parse_failure_header(const std::string& line, PrintedFailure& out) {
+  static const std::string kSuffix = ": Failure";
+  if (line.size() <= kSuffix.size() || line.compare(line.size() - kSuffix.size(), kSuffix.size(), kSuffix) != 0) {
+    return false;
+  }
+  const std::string where = line.substr(0, line.size() - kSuffix.size());
+  if (where == "unknown file") {
+    out = PrintedFailure{};
+    return true;
+  }
+  const size_t colon = where.rfind(':');
+  if (colon == std::string::npos || colon == 0 || colon + 1 == where.size()) return false;
+  const std::string number = where.substr(colon + 1);
+  if (!std::all_of(number.begin(), number.end(), [](char c) { return c >= '0' && c <= '9'; })) return false;
+  out = PrintedFailure{};
+  out.file = where.substr(0, colon);
+  out.line = std::stoi(number);
+  return true;
+}
+
+// The failures in a rank's output, in order. A message runs to the next
+// GoogleTest status line or failure header.
+std::vector<PrintedFailure> printed_failures(const std::string& output) {
+  std::vector<PrintedFailure> failures;
+  PrintedFailure* open = nullptr;
+  for (const std::string& line : split_lines(output)) {
+    PrintedFailure header;
+    if (parse_failure_header(line, header)) {
+      failures.push_back(header);
+      open = &failures.back();
+    } else if (is_gtest_status_line(line)) {
+      open = nullptr;
+    } else if (open != nullptr) {
+      open->message += line + "\n";
+    }
+  }
+  for (PrintedFailure& f : failures) {
+    while (!f.message.empty() && (f.message.back() == '\n' || f.message.back() == ' ')) f.message.pop_back();
+    // GoogleTest's text for ADD_FAILURE() and FAIL(), which says nothing.
+    if (f.message == "Failed") f.message.clear();
+    if (f.message.rfind("Failed\n", 0) == 0) f.message.erase(0, 7);
+  }
+  return failures;
+}
+
+// The last `max_lines` lines of a rank's output without GoogleTest's and the
+// harness's boilerplate, at most `max_bytes` of them.
+std::string informative_tail(const std::string& output, size_t max_lines, size_t max_bytes) {
+  std::vector<std::string> kept;
+  for (const std::string& line : split_lines(output)) {
+    if (!is_boilerplate(line)) kept.push_back(line);
+  }
+  const size_t first = kept.size() > max_lines ? kept.size() - max_lines : 0;
+  std::string text;
+  if (first > 0) text = "[... " + std::to_string(first) + " earlier lines omitted ...]\n";
+  for (size_t i = first; i < kept.size(); ++i) text += kept[i] + "\n";
+  return tail(text, max_bytes);
+}
+
+// "rank 1 of 3", "ranks 0, 2 of 3", "all 3 ranks".
+std::string rank_list(const std::vector<int>& ranks, int world_size) {
+  if (world_size > 1 && static_cast<int>(ranks.size()) == world_size) {
+    return "all " + std::to_string(world_size) + " ranks";
+  }
+  std::string text = ranks.size() == 1 ? "rank " : "ranks ";
+  for (size_t i = 0; i < ranks.size(); ++i) text += (i ? ", " : "") + std::to_string(ranks[i]);
+  return text + " of " + std::to_string(world_size);
 }
 
 // ---- rank side --------------------------------------------------------------
@@ -489,16 +577,75 @@ std::vector<RankOutcome> run_distributed_collect(const DistributedTestOptions& o
   return launch(options, call);
 }
 
+namespace {
+
+// [Note: failure reports] Each failure is recorded at the user's file and
+// line, so that GoogleTest prints that location first: a failed EXPECT/ASSERT
+// of a rank at the location the rank printed; a crash, hang, exception or a
+// rank that never ran the body at the TEST itself. A failure that several
+// ranks printed identically is recorded once, naming the ranks. The rank's
+// full output is not repeated (FSDP2CPP_TEST_VERBOSE=1 prints it): a failure
+// carries its message, a crash the last lines of the rank's own output
+// without GoogleTest's banners.
+void report_failures(const CallId& call, int world_size, const std::vector<RankOutcome>& outcomes) {
+  const ::testing::TestInfo* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  const std::string test_file = info != nullptr && info->file() != nullptr ? info->file() : "unknown file";
+  const int test_line = info != nullptr ? info->line() : -1;
+  // Failures the harness recorded inside a rank (an exception from the body,
+  // a failed setup) belong to the test, not to this file.
+  const std::string harness_file = __FILE__;
+
+  struct Group {
+    PrintedFailure failure;
+    std::vector<int> ranks;
+  };
+  std::vector<Group> groups;
+  std::vector<const RankOutcome*> unexplained;
+  for (const RankOutcome& outcome : outcomes) {
+    if (outcome.ok()) continue;
+    std::vector<PrintedFailure> failures = printed_failures(outcome.output);
+    for (PrintedFailure& f : failures) {
+      if (f.file.empty() || f.file == harness_file) {
+        f.file = test_file;
+        f.line = test_line;
+      }
+      auto same = std::find_if(groups.begin(), groups.end(), [&](const Group& g) { return g.failure == f; });
+      if (same == groups.end()) {
+        groups.push_back(Group{f, {outcome.rank}});
+      } else if (same->ranks.back() != outcome.rank) {
+        same->ranks.push_back(outcome.rank);
+      }
+    }
+    // A rank whose gtest failures explain its end (exit code 1 after the
+    // body ran) needs nothing more; anything else is reported as it ended.
+    const bool explained = !failures.empty() && outcome.exited && outcome.exit_code == 1 && outcome.body_ran;
+    if (!explained) unexplained.push_back(&outcome);
+  }
+  const std::string where = call.test_name + (call.index > 0 ? ", call " + std::to_string(call.index) : "");
+  for (const Group& g : groups) {
+    // GTEST_MESSAGE_AT_ rather than ADD_FAILURE_AT, which starts the message
+    // with a line "Failed".
+    GTEST_MESSAGE_AT_(g.failure.file.c_str(), g.failure.line, "", ::testing::TestPartResult::kNonFatalFailure)
+        << rank_list(g.ranks, world_size) << " (" << where << "):\n"
+        << g.failure.message;
+  }
+  for (const RankOutcome* outcome : unexplained) {
+    const std::string output = informative_tail(outcome->output, kOutputTailLines, kOutputTail);
+    GTEST_MESSAGE_AT_(test_file.c_str(), test_line, "", ::testing::TestPartResult::kNonFatalFailure)
+        << where << " with " << world_size << " ranks: " << outcome->describe() << "\n"
+        << (output.empty() ? std::string("(no output)\n")
+                           : "---- last lines of rank " + std::to_string(outcome->rank) + "'s output ----\n" + output +
+                                 "---- end of rank " + std::to_string(outcome->rank) + " ----\n")
+        << "(FSDP2CPP_TEST_VERBOSE=1 prints every rank's full output)";
+  }
+}
+
+}  // namespace
+
 void run_distributed(const DistributedTestOptions& options, const RankBody& body) {
   const CallId call = next_call();
   if (maybe_run_as_rank(options, body, call)) return;
-  const std::vector<RankOutcome> outcomes = launch(options, call);
-  for (const RankOutcome& outcome : outcomes) {
-    if (outcome.ok()) continue;
-    ADD_FAILURE() << call.test_name << " with " << options.world_size << " ranks: " << outcome.describe()
-                  << "\n---- output of rank " << outcome.rank << " ----\n"
-                  << tail(outcome.output, kOutputTail) << "---- end of rank " << outcome.rank << " ----";
-  }
+  report_failures(call, options.world_size, launch(options, call));
 }
 
 void run_distributed(int world_size, const RankBody& body) {

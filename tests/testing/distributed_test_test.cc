@@ -28,6 +28,7 @@ using ::fsdp::testing::RankOutcome;
 using ::fsdp::testing::run_distributed;
 using ::fsdp::testing::run_distributed_collect;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 DistributedTestOptions with_world_size(int world_size) {
   DistributedTestOptions options;
@@ -89,21 +90,109 @@ TEST(RunDistributed, SeveralCallsInOneTestEachRunTheirOwnBody) {
   }
 }
 
-TEST(RunDistributed, FailedRankBecomesATestFailureNamingTheRank) {
-  ::testing::TestPartResultArray failures;
+// Runs `body` under run_distributed and returns the failures it recorded in
+// the parent (none in a rank process).
+std::vector<::testing::TestPartResult> failures_of(const DistributedTestOptions& options,
+                                                   const fsdp::testing::RankBody& body) {
+  ::testing::TestPartResultArray recorded;
   {
     std::optional<::testing::ScopedFakeTestPartResultReporter> intercept;
     if (!is_rank_process()) {
-      intercept.emplace(::testing::ScopedFakeTestPartResultReporter::INTERCEPT_ONLY_CURRENT_THREAD, &failures);
+      intercept.emplace(::testing::ScopedFakeTestPartResultReporter::INTERCEPT_ONLY_CURRENT_THREAD, &recorded);
     }
-    run_distributed(2, [](RankContext& ctx) { EXPECT_NE(ctx.rank(), 1) << "deliberate failure on rank one"; });
+    run_distributed(options, body);
   }
+  std::vector<::testing::TestPartResult> failures;
+  for (int i = 0; i < recorded.size(); ++i) failures.push_back(recorded.GetTestPartResult(i));
+  return failures;
+}
+
+// What every report leaves out: GoogleTest's banners of the rank processes,
+// the harness's own lines, and the harness's source file as a location.
+void expect_no_boilerplate(const ::testing::TestPartResult& failure) {
+  const std::string message = failure.message();
+  EXPECT_THAT(message, Not(HasSubstr("[ RUN      ]")));
+  EXPECT_THAT(message, Not(HasSubstr("[==========]")));
+  EXPECT_THAT(message, Not(HasSubstr("Note: Google Test filter")));
+  EXPECT_THAT(message, Not(HasSubstr("fsdp2cpp: rank ")));
+  EXPECT_THAT(message, Not(HasSubstr("testing/src/")));
+  EXPECT_THAT(failure.file_name() ? std::string(failure.file_name()) : "", Not(HasSubstr("testing/src/")));
+}
+
+int current_test_line() { return ::testing::UnitTest::GetInstance()->current_test_info()->line(); }
+
+TEST(RunDistributed, FailedExpectIsReportedAtTheUsersFileAndLine) {
+  const auto failures = failures_of(with_world_size(2), [](RankContext& ctx) {
+    EXPECT_NE(ctx.rank(), 1) << "deliberate failure on rank one at line " << __LINE__;
+  });
   if (is_rank_process()) return;
-  ASSERT_EQ(failures.size(), 1);
-  const std::string message = failures.GetTestPartResult(0).message();
-  EXPECT_THAT(message, HasSubstr("rank 1: exited with code 1"));
-  EXPECT_THAT(message, HasSubstr("deliberate failure on rank one"));
-  EXPECT_THAT(message, HasSubstr("FailedRankBecomesATestFailureNamingTheRank"));
+  ASSERT_EQ(failures.size(), 1u);
+  const ::testing::TestPartResult& failure = failures[0];
+  EXPECT_TRUE(failure.nonfatally_failed());
+  EXPECT_EQ(std::string(failure.file_name()), __FILE__);
+  const std::string message = failure.message();
+  EXPECT_THAT(message, HasSubstr("deliberate failure on rank one at line " + std::to_string(failure.line_number())));
+  EXPECT_THAT(message,
+              ::testing::StartsWith("rank 1 of 2 (RunDistributed.FailedExpectIsReportedAtTheUsersFileAndLine):\n"));
+  EXPECT_THAT(message, HasSubstr("Expected: (ctx.rank()) != (1), actual: 1 vs 1"));
+  expect_no_boilerplate(failure);
+}
+
+TEST(RunDistributed, FailureThatSeveralRanksPrintAlikeIsReportedOnceNamingThem) {
+  const auto failures = failures_of(with_world_size(3), [](RankContext& ctx) {
+    // Ranks 0 and 2 fail with the same message; rank 1 with another value.
+    EXPECT_EQ(ctx.rank() % 2, 7) << "parity check";
+  });
+  const auto all = failures_of(with_world_size(2), [](RankContext&) { ADD_FAILURE() << "every rank fails"; });
+  if (is_rank_process()) return;
+  ASSERT_EQ(failures.size(), 2u);
+  const std::string even = failures[0].message();
+  const std::string odd = failures[1].message();
+  EXPECT_THAT(even, ::testing::StartsWith("ranks 0, 2 of 3 ("));
+  EXPECT_THAT(even, HasSubstr("Which is: 0"));
+  EXPECT_THAT(odd, ::testing::StartsWith("rank 1 of 3 ("));
+  EXPECT_THAT(odd, HasSubstr("Which is: 1"));
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(std::string(failures[i].file_name()), __FILE__);
+    EXPECT_EQ(failures[i].line_number(), failures[0].line_number());
+    expect_no_boilerplate(failures[i]);
+  }
+  ASSERT_EQ(all.size(), 1u);
+  EXPECT_THAT(all[0].message(), ::testing::StartsWith("all 2 ranks ("));
+}
+
+TEST(RunDistributed, CrashIsReportedAtTheTestWithTheRanksOwnOutput) {
+  const auto failures = failures_of(with_world_size(2), [](RankContext& ctx) {
+    if (ctx.rank() == 1) {
+      std::cout << "rank one is about to abort" << std::endl;
+      std::abort();
+    }
+  });
+  if (is_rank_process()) return;
+  ASSERT_EQ(failures.size(), 1u);
+  const ::testing::TestPartResult& failure = failures[0];
+  EXPECT_EQ(std::string(failure.file_name()), __FILE__);
+  EXPECT_EQ(failure.line_number(), current_test_line());
+  const std::string message = failure.message();
+  EXPECT_THAT(message, HasSubstr("RunDistributed.CrashIsReportedAtTheTestWithTheRanksOwnOutput with 2 ranks: "
+                                 "rank 1: killed by signal 6 (SIGABRT"));
+  EXPECT_THAT(message, HasSubstr("rank one is about to abort"));
+  EXPECT_THAT(message, HasSubstr("FSDP2CPP_TEST_VERBOSE=1"));
+  expect_no_boilerplate(failure);
+}
+
+TEST(RunDistributed, ExceptionIsReportedAtTheTestNotInTheHarness) {
+  const auto failures = failures_of(with_world_size(2), [](RankContext& ctx) {
+    if (ctx.rank() == 0) throw std::runtime_error("boom from the body");
+  });
+  if (is_rank_process()) return;
+  ASSERT_EQ(failures.size(), 1u);
+  const ::testing::TestPartResult& failure = failures[0];
+  EXPECT_EQ(std::string(failure.file_name()), __FILE__);
+  EXPECT_EQ(failure.line_number(), current_test_line());
+  EXPECT_THAT(failure.message(), ::testing::StartsWith("rank 0 of 2 ("));
+  EXPECT_THAT(failure.message(), HasSubstr("the test body threw: boom from the body"));
+  expect_no_boilerplate(failure);
 }
 
 TEST(RunDistributedCollect, FailingExpectOnOneRankIsReportedWithItsOutput) {

@@ -1,13 +1,13 @@
 #include "profile.h"
 
-#include <sys/stat.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <set>
 #include <stdexcept>
+#include <system_error>
 
 #include <ATen/record_function.h>
 #include <c10/util/Exception.h>
@@ -61,18 +61,15 @@ absl::StatusOr<ProfileSteps> parse_profile_steps(const std::string& text, int64_
 
 std::string trace_path(const std::string& dir, int rank) { return absl::StrCat(dir, "/trace_rank", rank, ".json"); }
 
-// mkdir -p. Not std::filesystem: libtorch.so exports definitions of some
-// std::filesystem functions (remove_all, equivalent, ...) that the dynamic
-// linker binds our calls to; std::filesystem::remove_all called from a test
-// of ours jumped to address 0 inside libtorch.so's copy.
+// mkdir -p, then a write probe. std::filesystem is safe here because
+// fsdp2cpp::torch links libstdc++ ahead of libtorch.so ([Note: libstdc++
+// before libtorch] in cmake/Fsdp2cppTorch.cmake).
 absl::Status prepare_profile_dir(const std::string& dir) {
-  for (size_t slash = dir.find('/', 1);; slash = dir.find('/', slash + 1)) {
-    const std::string prefix = dir.substr(0, slash);
-    if (!prefix.empty() && ::mkdir(prefix.c_str(), 0755) != 0 && errno != EEXIST) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--profile: cannot create the directory '", prefix, "': ", std::strerror(errno)));
-    }
-    if (slash == std::string::npos) break;
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--profile: cannot create the directory '", dir, "': ", ec.message()));
   }
   const std::string probe = dir + "/.fsdp_train_write_test";
   std::FILE* f = std::fopen(probe.c_str(), "w");
