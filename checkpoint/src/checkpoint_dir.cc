@@ -16,6 +16,7 @@
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
+#include "collectives/flight_recorder.h"
 #include "io_util.h"
 
 namespace fsdp::checkpoint {
@@ -82,6 +83,8 @@ std::vector<std::string> list_dir_names(const std::string& root) {
 }
 
 void wait_barrier(collectives::Communicator& group, std::chrono::milliseconds timeout, const char* what) {
+  const std::string label = std::string("checkpoint: ") + what;
+  const collectives::CollectiveLabel labelled(label);
   try {
     group.barrier().wait(timeout);
   } catch (const std::exception& e) {

@@ -11,6 +11,7 @@
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
+#include "collectives/flight_recorder.h"
 #include "io_util.h"
 #include "load_core.h"
 
@@ -116,7 +117,11 @@ SaveResult export_hf(const StateDict& state_dict, const std::string& dir,
     if (options.fsync) detail::fsync_dir(dir);
     for (const auto& f : result.files) result.bytes += f.size;
   }
-  group->barrier().wait();
+  {
+    const collectives::CollectiveLabel label("checkpoint: export_hf commit");
+    // Rank 0 writes the index meanwhile: bounded by the group's timeout.
+    group->barrier().wait(group->timeout());
+  }
   result.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   return result;
 }

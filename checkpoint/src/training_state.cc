@@ -17,6 +17,7 @@
 
 #include "checkpoint/checkpoint_dir.h"
 #include "checkpoint/sharded.h"
+#include "collectives/flight_recorder.h"
 #include "io_util.h"
 
 namespace fsdp::checkpoint {
@@ -129,7 +130,10 @@ void verify_on_rank0(const std::string& dir, Communicator& group) {
     }
   }
   at::Tensor failed = at::tensor({error.empty() ? 0 : 1}, at::kInt);
-  group.all_reduce(failed, ReduceOp::max()).wait();
+  const collectives::CollectiveLabel label("checkpoint: verify on rank 0");
+  // Rank 0 reads every file meanwhile: bounded by the group's timeout, not
+  // by the divergence timeout (divergence.h).
+  group.all_reduce(failed, ReduceOp::max()).wait(group.timeout());
   if (failed.item<int>() == 0) return;
   TORCH_CHECK(group.rank() != 0, error);
   TORCH_CHECK(false, "rank 0 found '", dir, "' damaged (its message names the file); resume from an older ",
@@ -554,6 +558,7 @@ std::optional<TrainingStateLoadResult> load_latest_training_state(const std::str
   // two ranks' directory scans only if another job writes there).
   const int64_t step = latest ? latest->step : -1;
   at::Tensor steps = at::tensor({step, -step}, at::kLong);
+  const collectives::CollectiveLabel label("checkpoint: agree on the newest step");
   group->all_reduce(steps, ReduceOp::max()).wait();
   TORCH_CHECK(steps[0].item<int64_t>() == -steps[1].item<int64_t>(),
               "load_latest_training_state: the ranks see different newest checkpoints in '", root,

@@ -40,6 +40,12 @@ int64_t sum_over_ranks(Communicator& group, int64_t value) {
   return t.item<int64_t>();
 }
 
+double max_over_ranks(Communicator& group, double value) {
+  at::Tensor t = at::tensor({value}, at::kDouble);
+  group.all_reduce(t, ReduceOp::max()).wait();
+  return t.item<double>();
+}
+
 void print_progress(const Communicator& group, const char* what, const std::string& where, int64_t bytes,
                     double seconds) {
   if (group.rank() != 0) return;
@@ -61,7 +67,9 @@ void verify_on_rank0(const std::string& dir, Communicator& group, const char* fl
     }
   }
   at::Tensor failed = at::tensor({error.empty() ? 0 : 1}, at::kInt);
-  group.all_reduce(failed, ReduceOp::max()).wait();
+  // Rank 0 reads every file meanwhile: bounded by the group's timeout, not
+  // by the divergence timeout (collectives/divergence.h).
+  group.all_reduce(failed, ReduceOp::max()).wait(group.timeout());
   if (failed.item<int>() == 0) return;
   TORCH_CHECK(group.rank() != 0, flag, ": ", error);
   TORCH_CHECK(false, flag, ": rank 0 found '", dir, "' damaged (its message names the file)");
@@ -126,21 +134,72 @@ struct TrainerState {
 
 }  // namespace
 
+namespace {
+
+std::string progress_json(const TrainingProgress& progress) {
+  return nlohmann::json{{"step", progress.step},
+                        {"world_size", progress.world_size},
+                        {"mesh", progress.mesh},
+                        {"samples_seen", progress.samples_seen}}
+      .dump();
+}
+
+fsdp::checkpoint::TrainingStateSaveOptions save_options(const TrainingProgress& progress, int64_t keep) {
+  fsdp::checkpoint::TrainingStateSaveOptions options;
+  options.mesh = progress.mesh;
+  options.keep = keep;
+  return options;
+}
+
+}  // namespace
+
 void save_checkpoint(const std::string& save_dir, int64_t keep, const TrainingProgress& progress,
                      torch::nn::Module& model, torch::optim::Optimizer& optimizer,
                      const std::shared_ptr<Communicator>& group) {
   TrainerState state(model, optimizer);
-  state.progress = nlohmann::json{{"step", progress.step},
-                                  {"world_size", progress.world_size},
-                                  {"mesh", progress.mesh},
-                                  {"samples_seen", progress.samples_seen}}
-                       .dump();
-  fsdp::checkpoint::TrainingStateSaveOptions options;
-  options.mesh = progress.mesh;
-  options.keep = keep;
-  const auto saved = fsdp::checkpoint::save_training_state(save_dir, progress.step, state.items, group, options);
+  state.progress = progress_json(progress);
+  const auto saved =
+      fsdp::checkpoint::save_training_state(save_dir, progress.step, state.items, group, save_options(progress, keep));
   const int64_t bytes = sum_over_ranks(*group, saved.bytes);
   print_progress(*group, "saved", saved.dir, bytes, saved.seconds);
+}
+
+BackgroundCheckpointer::BackgroundCheckpointer(std::string save_dir, int64_t keep,
+                                               std::shared_ptr<Communicator> metrics,
+                                               std::shared_ptr<Communicator> writer_group)
+    : save_dir_(std::move(save_dir)), keep_(keep), metrics_(std::move(metrics)), saver_(std::move(writer_group)) {}
+
+BackgroundCheckpointer::~BackgroundCheckpointer() {
+  // A save still in flight at an exception: let it commit (or fail) before
+  // the saver goes, without throwing from a destructor.
+  try {
+    saver_.wait();
+  } catch (const std::exception&) {
+  }
+}
+
+void BackgroundCheckpointer::save(const TrainingProgress& progress, torch::nn::Module& model,
+                                  torch::optim::Optimizer& optimizer) {
+  report_finished();
+  TrainerState state(model, optimizer);
+  state.progress = progress_json(progress);
+  const auto staged = saver_.save(save_dir_, progress.step, state.items, save_options(progress, keep_));
+  const int64_t bytes = sum_over_ranks(*metrics_, staged.staged_bytes);
+  const double blocked = max_over_ranks(*metrics_, staged.blocked_seconds);
+  if (metrics_->rank() == 0) {
+    std::printf("checkpoint  staged step-%lld: %s in host memory, the step blocked %.3f s; writing in the background\n",
+                static_cast<long long>(progress.step), format_bytes(bytes).c_str(), blocked);
+    std::fflush(stdout);
+  }
+}
+
+void BackgroundCheckpointer::finish() { report_finished(); }
+
+void BackgroundCheckpointer::report_finished() {
+  const auto saved = saver_.wait();
+  if (!saved) return;
+  const int64_t bytes = sum_over_ranks(*metrics_, saved->bytes);
+  print_progress(*metrics_, "saved", saved->dir, bytes, saved->seconds);
 }
 
 TrainingProgress resume_from_latest(const std::string& save_dir, torch::nn::Module& model,

@@ -99,6 +99,8 @@ class Communicator {
   // unique in the World, the same on every member; flight records and
   // divergence diagnoses name communicators by it (divergence.h).
   const std::string& id() const { return id_; }
+  // CommunicatorOptions::timeout: what the engine waits at most for a peer.
+  std::chrono::milliseconds timeout() const { return options_.timeout; }
   // Collectives issued so far (the sequence number of the last one).
   int64_t issued() const { return next_seq_; }
 

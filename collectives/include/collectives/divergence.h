@@ -6,7 +6,9 @@
 // communicator's timeout and fail with an error that names neither the
 // module nor the rank that went another way. Instead:
 //
-//  1. A Work::wait() that blocks for DivergenceOptions::timeout (default 30 s)
+//  1. A Work::wait() (one without a timeout of its own: a caller that gives
+//     one, as the checkpoint code does around its writes, bounds the wait
+//     itself) that blocks for DivergenceOptions::timeout (default 30 s)
 //     asks every rank, through the rendezvous store, for its FlightLog
 //     (flight_recorder.h). Each rank's watchdog thread answers within a
 //     fraction of a second, whatever its main thread is doing.

@@ -14,7 +14,8 @@
 // Labels: the fsdp2 runtime wraps each phase in a CollectiveLabel ("FSDP::
 // all_gather (layers.3)" inside "FSDP::pre_forward (layers.3)"); a collective
 // issued inside it is recorded with the innermost label and the one around
-// it. A user labels their own collectives the same way:
+// it. A user labels their own collectives the same way
+// (tests/fsdp2/fsdp2_divergence_test.cc):
 //
 //   fsdp::collectives::CollectiveLabel label("metrics: mean loss");
 //   group->all_reduce(loss, fsdp::collectives::ReduceOp::avg()).wait();

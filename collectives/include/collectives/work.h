@@ -54,10 +54,11 @@ class Work {
   // the finishing step. Idempotent: the finishing step runs once. Throws
   // c10::Error naming the collective when it failed, a peer died, or
   // `timeout` (when non-zero) passed; after a timeout the collective is still
-  // in flight and wait() may be called again. A wait that blocks the host for
-  // the World's divergence timeout first (divergence.h) throws the diagnosis
-  // of the ranks' flight recorders instead; the communicator is unusable
-  // after that.
+  // in flight and wait() may be called again. A wait without a timeout that
+  // blocks the host for the World's divergence timeout (divergence.h) throws
+  // the diagnosis of the ranks' flight recorders instead; the communicator is
+  // unusable after that. A wait with a timeout is bounded by its caller and
+  // not watched.
   void wait(std::chrono::milliseconds timeout = kDefaultTimeout);
 
   // True when the collective has completed (successfully or not). Never blocks.
