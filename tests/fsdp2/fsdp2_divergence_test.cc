@@ -19,6 +19,7 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
 
+#include "collectives/flight_recorder.h"
 #include "fsdp2/fully_shard.h"
 #include "fsdp2/module_call.h"
 #include "fsdp_testing/distributed_test.h"
@@ -300,6 +301,14 @@ TEST(Divergence, AgreeingRanksTrainNormally) {
       for (const auto& record : log.records) {
         EXPECT_EQ(record.state, collectives::CollectiveState::kCompleted) << record.fingerprint.describe();
       }
+      // A user's own collective, labelled (docs/debugging.md quotes this).
+      const auto& group = ctx.world_group();
+      at::Tensor loss = at::full({1}, 1.0 + ctx.rank());
+      fsdp::collectives::CollectiveLabel label("metrics: mean loss");
+      group->all_reduce(loss, fsdp::collectives::ReduceOp::avg()).wait();
+      EXPECT_EQ(loss.item<double>(), 2.0);
+      const auto last = ctx.world()->flight_recorder().snapshot().records.back();
+      EXPECT_EQ(last.fingerprint.describe(), "all_reduce(AVG, Float, 1 element) for metrics: mean loss");
     });
     ::unsetenv("FSDP2CPP_STRICT_COLLECTIVES");
     ::unsetenv("FSDP2CPP_DIVERGENCE_TIMEOUT_S");
