@@ -440,6 +440,27 @@ TEST_P(ResumeAtWorldSize, RestartedLoopResumesFromItsCheckpointAndEndsAsAnUninte
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, ResumeAtWorldSize, ::testing::Values(1, 2, 3));
 
+// A rank stuck in the user's own code under fsdprun: the other ranks stop
+// after the divergence timeout (3 s here, the collective timeout 10 minutes)
+// with the diagnosis naming the stalled rank, and fsdprun prints it and
+// fails, long before the collective timeout.
+TEST(Divergence, FsdprunPrintsTheDiagnosisOfAStalledRank) {
+  char tmpl[] = "/tmp/fsdp2cpp_stall_XXXXXX";
+  ASSERT_NE(::mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl;
+  const RunResult r = run({kFsdprun, "--nproc", "3", "--collective-timeout", "600", "--", kLoop, "--steps", "6",
+                           "--checkpoint", dir + "/progress.txt", "--stall-rank", "1", "--stall-at", "3"},
+                          {{"FSDP2CPP_DIVERGENCE_TIMEOUT_S", "3"}});
+  EXPECT_NE(r.exit_code, 0) << describe(r);
+  const std::string all = r.out + r.err;
+  EXPECT_NE(all.find("ranks diverged at collective #"), std::string::npos) << describe(r);
+  EXPECT_NE(all.find("rank 1 has issued nothing on it since #"), std::string::npos) << describe(r);
+  EXPECT_NE(all.find("stalled in user code"), std::string::npos) << describe(r);
+  EXPECT_LT(r.seconds, 120.0) << describe(r);
+  std::remove((dir + "/progress.txt").c_str());
+  ::rmdir(dir.c_str());
+}
+
 TEST(MaybeLaunchLocal, NprocFlagStartsRanksOfThisProgramWithoutTheFlag) {
   for (const std::string& flag : {std::string("--nproc=3"), std::string("--nproc")}) {
     std::vector<std::string> args = {kProbe, "self", "a", flag};

@@ -4,6 +4,7 @@
 // The launcher tests run it with a crash and without one, and compare.
 //
 //   restartable_loop --steps 8 --checkpoint DIR/progress.txt [--crash-rank R --crash-at K]
+//                    [--stall-rank R --stall-at K]
 //
 // Each step every rank adds its contribution to a vector, the ranks sum the
 // vector with an all-reduce (a real Gloo process group made by
@@ -13,15 +14,20 @@
 // leaves half a file) and all ranks pass a barrier, so every rank knows the
 // step is saved before the next one starts. On attempt 0
 // (TORCHELASTIC_RESTART_COUNT unset or 0), rank R exits with 1 when step K
-// starts, as a rank that hits a fault would. Rank 0 prints
+// starts, as a rank that hits a fault would. With --stall-rank, rank R
+// sleeps for 10 minutes when step K starts instead, as a rank stuck in user
+// code would (the others then stop with the divergence diagnosis,
+// docs/debugging.md). Rank 0 prints
 //   attempt A resumes at step S
 //   final step=N state=s0,s1,s2,s3
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -36,6 +42,8 @@ struct Flags {
   std::string checkpoint;
   int crash_rank = -1;
   int64_t crash_at = 0;
+  int stall_rank = -1;
+  int64_t stall_at = 0;
 };
 
 bool parse_flags(int argc, char** argv, Flags* flags) {
@@ -49,6 +57,10 @@ bool parse_flags(int argc, char** argv, Flags* flags) {
       flags->crash_rank = std::atoi(value.c_str());
     } else if (flag == "--crash-at") {
       flags->crash_at = std::atoll(value.c_str());
+    } else if (flag == "--stall-rank") {
+      flags->stall_rank = std::atoi(value.c_str());
+    } else if (flag == "--stall-at") {
+      flags->stall_at = std::atoll(value.c_str());
     } else {
       return false;
     }
@@ -89,7 +101,9 @@ int main(int argc, char** argv) {
   if (auto rc = fsdp::launch::maybe_launch_local(argc, argv)) return *rc;
   Flags flags;
   if (!parse_flags(argc, argv, &flags)) {
-    std::fprintf(stderr, "usage: restartable_loop --steps N --checkpoint FILE [--crash-rank R --crash-at K]\n");
+    std::fprintf(stderr,
+                 "usage: restartable_loop --steps N --checkpoint FILE [--crash-rank R --crash-at K] "
+                 "[--stall-rank R --stall-at K]\n");
     return 2;
   }
   const char* restart_count = std::getenv("TORCHELASTIC_RESTART_COUNT");
@@ -110,6 +124,7 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
       return 1;
     }
+    if (rank == flags.stall_rank && step == flags.stall_at) std::this_thread::sleep_for(std::chrono::minutes(10));
     at::Tensor update = at::arange(kWidth, at::kDouble) + static_cast<double>((rank + 1) * step);
     group->all_reduce(update, fsdp::collectives::ReduceOp::sum()).wait();
     state = state / 2 + update;
