@@ -7,7 +7,11 @@
 // negligible. The median forward + backward step time of the sharded stack
 // minus that of the same stack unsharded, divided by the number of groups,
 // is the overhead per group; the same is measured for PyTorch FSDP2
-// (tools/bench/python/fsdp2_bench.py overhead) and the ratio printed.
+// (tools/bench/python/fsdp2_bench.py overhead) and the ratio printed. Also
+// printed: the flight recorder's cost per collective (one record and the
+// two state changes of a wait, timed on their own), and the per-group
+// overhead again in strict mode (FSDP2CPP_STRICT_COLLECTIVES=1, which checks
+// every collective's fingerprint with one more all-gather).
 //
 //   fsdp_overhead_bench                   1 rank, 64 groups, 200 steps
 //   fsdp_overhead_bench --nproc 2         2 ranks (Gloo latency included)
@@ -32,6 +36,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "bench_util.h"
+#include "collectives/flight_recorder.h"
 #include "collectives/world.h"
 #include "config.h"
 #include "device_mesh/device_mesh.h"
@@ -100,6 +105,24 @@ double median_step_seconds(TinyStack& model, const at::Tensor& x, const Sizes& s
   return bench::median(times);
 }
 
+// Nanoseconds per collective of the flight recorder's work: record_issue at
+// issue, and the waiting and completed marks of Work::wait(), under the
+// labels the runtime sets.
+double recorder_ns_per_collective() {
+  fsdp::collectives::FlightRecorder recorder(0, 4096);
+  const int comm = recorder.register_communicator("gloo[0,1]#0", {0, 1});
+  const fsdp::collectives::CollectiveLabel context("FSDP::pre_forward (layers.12)");
+  const fsdp::collectives::CollectiveLabel label("FSDP::all_gather (layers.12)");
+  constexpr int kCollectives = 200000;
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 1; i <= kCollectives; ++i) {
+    const int64_t id = recorder.record_issue(comm, i, "all_gather_into_tensor", "", at::kFloat, true, 4096, 1);
+    recorder.mark(id, fsdp::collectives::CollectiveState::kWaiting);
+    recorder.mark(id, fsdp::collectives::CollectiveState::kCompleted);
+  }
+  return 1e9 * std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / kCollectives;
+}
+
 double max_over_ranks(fsdp::collectives::Communicator& group, double value) {
   at::Tensor t = at::full({1}, value, at::kDouble);
   group.all_reduce(t, fsdp::collectives::ReduceOp::max()).wait();
@@ -124,7 +147,8 @@ int run_rank() {
   const double t_sharded = max_over_ranks(group, median_step_seconds(*sharded, x, s));
   if (world->rank() == 0) {
     std::ofstream out(absl::GetFlag(FLAGS_result_file));
-    out << "{\"plain_step_s\": " << t_plain << ", \"sharded_step_s\": " << t_sharded << "}\n";
+    out << "{\"plain_step_s\": " << t_plain << ", \"sharded_step_s\": " << t_sharded
+        << ", \"recorder_ns\": " << recorder_ns_per_collective() << "}\n";
     if (!out) return 1;
   }
   return 0;
@@ -163,6 +187,20 @@ int main(int argc, char** argv) {
   const std::string ours = bench::read_file(result_file).value_or("");
   const double ours_plain = bench::json_number(ours, "plain_step_s").value_or(0);
   const double ours_sharded = bench::json_number(ours, "sharded_step_s").value_or(0);
+  const double recorder_ns = bench::json_number(ours, "recorder_ns").value_or(0);
+  // The same in strict mode, in the same run.
+  const std::string strict_file = dir.file("strict.json");
+  rank_args.back() = "--result_file=" + strict_file;
+  ::setenv("FSDP2CPP_STRICT_COLLECTIVES", "1", 1);
+  const int strict_rc = fsdp::launch::launch_local_ranks(nproc, rank_args);
+  ::unsetenv("FSDP2CPP_STRICT_COLLECTIVES");
+  if (strict_rc != 0) {
+    std::fprintf(stderr, "fsdp_overhead_bench: the fsdp2cpp ranks failed in strict mode (exit code %d)\n", strict_rc);
+    return 1;
+  }
+  const std::string strict = bench::read_file(strict_file).value_or("");
+  const double strict_plain = bench::json_number(strict, "plain_step_s").value_or(0);
+  const double strict_sharded = bench::json_number(strict, "sharded_step_s").value_or(0);
 
   const std::vector<std::string> py_args = {programs.script,  "overhead",
                                             "--nproc",        std::to_string(nproc),
@@ -193,7 +231,11 @@ int main(int argc, char** argv) {
   std::printf("%-14s %14s %14s %14s\n", "system", "unsharded us", "sharded us", "per-group us");
   std::printf("%-14s %14.1f %14.1f %14.2f\n", "fsdp2cpp", 1e6 * ours_plain, 1e6 * ours_sharded, ours_per_group);
   std::printf("%-14s %14.1f %14.1f %14.2f\n", "PyTorch FSDP2", 1e6 * py_plain, 1e6 * py_sharded, py_per_group);
+  std::printf("%-14s %14.1f %14.1f %14.2f\n", "fsdp2cpp strict", 1e6 * strict_plain, 1e6 * strict_sharded,
+              1e6 * (strict_sharded - strict_plain) / groups);
   std::printf("ours / PyTorch per group: %.3f (goal, issue 13: <= 0.33)\n", ours_per_group / py_per_group);
+  std::printf("flight recorder per collective (record + wait's two marks): %.0f ns (goal, issue 20: < 1000)\n",
+              recorder_ns);
   std::printf(
       "per-group us = (sharded - unsharded step time) / groups: the runtime's pre/post forward and backward work "
       "per group per step, with the collectives' issue and wait.\n");
