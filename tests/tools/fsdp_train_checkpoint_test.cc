@@ -126,6 +126,27 @@ TEST(FsdpTrainCheckpoint, ResumeAtTheSameWorldSizeIsBitExact) {
   expect_tail_matches(full, resumed, 0.0);
 }
 
+// --async-save writes the same checkpoints in the background: a run that
+// saved that way (the last save waited for at its end) resumes bit-exactly,
+// at 3 ranks (uneven shards).
+TEST(FsdpTrainCheckpoint, AsyncSaveResumesBitExactly) {
+  ScratchTree dir;
+  const TrainRecord full = train(run_flags(dir / "full.json", 3), "uninterrupted run");
+  const std::string saves = dir / "saves";
+  const RunResult first = run_program(FSDP_TRAIN_BINARY, with(run_flags(dir / "first.json", 3),
+                                                              {"--save-dir", saves, "--save-every", "5", "--async-save",
+                                                               "--stop-after", std::to_string(kStopAfter)}));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  EXPECT_NE(first.output.find("checkpoint  staged step-5: "), std::string::npos) << first.output;
+  EXPECT_NE(first.output.find("writing in the background"), std::string::npos) << first.output;
+  EXPECT_NE(first.output.find("saved " + saves + "/step-10"), std::string::npos) << first.output;
+  EXPECT_TRUE(exists(saves + "/step-5/manifest.json"));
+  EXPECT_TRUE(exists(saves + "/step-10/manifest.json"));
+  const TrainRecord resumed =
+      train(with(run_flags(dir / "resumed.json", 3), {"--save-dir", saves, "--resume"}), "resumed run");
+  expect_tail_matches(full, resumed, 0.0);
+}
+
 TEST(FsdpTrainCheckpoint, ResumeAtAnotherWorldSizeAndMesh) {
   ScratchTree dir;
   const TrainRecord full = train(run_flags(dir / "full.json", 2), "uninterrupted run");
@@ -331,6 +352,7 @@ TEST(FsdpTrainCheckpoint, FlagErrors) {
     EXPECT_NE(run.output.find(fragment), std::string::npos) << run.output;
   };
   expect_error({"--resume"}, "--resume needs --save-dir");
+  expect_error({"--async-save"}, "--async-save needs --save-dir");
   expect_error({"--save-every", "5"}, "--save-every needs --save-dir");
   expect_error({"--save-dir", dir / "s", "--keep", "-1"}, "--keep");
   expect_error({"--init-from", dir / "missing"}, "--init-from");

@@ -10,6 +10,12 @@
 //   verify         verify_checkpoint (rank 0 re-reads and checksums every file)
 //   hf export      export_hf: one full tensor at a time, rank 0 writes
 //   hf import      import_hf: every rank reads its rows (pages dropped first)
+//   sync state     save_training_state of the same tensors (what a step
+//                  waits for without --async-save)
+//   async staged   AsyncTrainingStateSaver::save: the time the step is
+//                  blocked (the copies to host memory), and its ratio to
+//                  "sync state" (goal, issue 21: <= 0.10)
+//   async write    from save() until wait() returns: the background write
 // and prints MiB/s and the ratio to the disk's own speed. Not a test.
 //
 //   checkpoint_bench --nproc 2 --mib 512 --dir /tmp
@@ -33,6 +39,7 @@
 #include "checkpoint/checkpoint_dir.h"
 #include "checkpoint/hf.h"
 #include "checkpoint/sharded.h"
+#include "checkpoint/training_state.h"
 #include "collectives/world.h"
 #include "config.h"
 #include "device_mesh/device_mesh.h"
@@ -161,6 +168,31 @@ int run_rank() {
   if (rank == 0) drop_cache_tree(hf);
   const double import_s = timed(comm, [&] { ckpt::import_hf(sd, hf); });
 
+  // A training state of the same tensors, saved synchronously and then in
+  // the background (the saver's barriers on a communicator of its own).
+  struct Tensors : ckpt::Stateful {
+    fsdp::StateDict* sd;
+    ckpt::StatefulState state_dict() override { return {*sd, {}}; }
+    void load_state_dict(const ckpt::StatefulState&) override {}
+  } tensors;
+  tensors.sd = &sd;
+  ckpt::TrainingState state;
+  state.add("model", tensors);
+  const std::string states = root + "/states";
+  if (rank == 0) ::mkdir(states.c_str(), 0755);
+  const double sync_state = timed(comm, [&] { ckpt::save_training_state(states, 1, state, comm); });
+  ckpt::AsyncTrainingStateSaver saver(world->new_group(world->all_ranks(), c10::kCPU));
+  double async_staged = 0;
+  const double async_total = timed(comm, [&] {
+    async_staged = saver.save(states, 2, state).blocked_seconds;
+    saver.wait();
+  });
+  {
+    at::Tensor slowest = at::tensor({async_staged}, at::kDouble);
+    comm->all_reduce(slowest, fsdp::collectives::ReduceOp::max()).wait();
+    async_staged = slowest.item<double>();
+  }
+
   if (rank == 0) {
     const double mib = static_cast<double>(bytes) / (1 << 20);
     std::printf("checkpoint_bench: %d ranks, %lld tensors, %.0f MiB in total, under %s\n", world->size(),
@@ -176,6 +208,11 @@ int run_rank() {
     row("verify", verify, disk_read);
     row("hf export", export_s, disk_write);
     row("hf import", import_s, disk_read);
+    row("sync state", sync_state, disk_write);
+    row("async staged", async_staged, disk_write);
+    row("async write", async_total, disk_write);
+    std::printf("async save blocks the step %.3f s = %.3f of a synchronous save (goal, issue 21: <= 0.10)\n",
+                async_staged, async_staged / sync_state);
     std::printf(
         "(x disk speed: the disk row's seconds over this row's; writes compare with disk write, reads with "
         "disk read. Reads start with the files' pages dropped from the page cache.)\n");

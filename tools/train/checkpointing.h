@@ -22,6 +22,7 @@
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
+#include "checkpoint/training_state.h"
 #include "collectives/communicator.h"
 
 namespace fsdp_train {
@@ -44,6 +45,35 @@ struct TrainingProgress {
 void save_checkpoint(const std::string& save_dir, int64_t keep, const TrainingProgress& progress,
                      torch::nn::Module& model, torch::optim::Optimizer& optimizer,
                      const std::shared_ptr<fsdp::collectives::Communicator>& group);
+
+// --async-save: checkpoints staged to host memory by the step and written by
+// a background thread while training goes on
+// (fsdp::checkpoint::AsyncTrainingStateSaver). At most one is in flight: a
+// save first waits for the previous one and reports it; finish() waits for
+// the last. `writer_group` is a communicator of the saver's own (its
+// barriers run on the background thread), `metrics` the trainer's group for
+// the reports. Every call is collective.
+class BackgroundCheckpointer {
+ public:
+  BackgroundCheckpointer(std::string save_dir, int64_t keep, std::shared_ptr<fsdp::collectives::Communicator> metrics,
+                         std::shared_ptr<fsdp::collectives::Communicator> writer_group);
+  ~BackgroundCheckpointer();
+  BackgroundCheckpointer(const BackgroundCheckpointer&) = delete;
+  BackgroundCheckpointer& operator=(const BackgroundCheckpointer&) = delete;
+
+  void save(const TrainingProgress& progress, torch::nn::Module& model, torch::optim::Optimizer& optimizer);
+  // Waits for the save in flight (if any) and prints where it went; rethrows
+  // its error.
+  void finish();
+
+ private:
+  void report_finished();
+
+  std::string save_dir_;
+  int64_t keep_;
+  std::shared_ptr<fsdp::collectives::Communicator> metrics_;
+  fsdp::checkpoint::AsyncTrainingStateSaver saver_;
+};
 
 // Loads the newest complete checkpoint of `save_dir` (verified against its
 // manifest first) into `model` and `optimizer`, at any world size or mesh,

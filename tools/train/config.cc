@@ -103,6 +103,7 @@ absl::Status validate(const TrainConfig& c, int64_t world_size) {
   if (c.save_every != 0 && c.save_dir.empty()) {
     return flag_error(absl::StrCat("--save-every needs --save-dir (got --save-every ", c.save_every, ")"));
   }
+  if (c.async_save && c.save_dir.empty()) return flag_error("--async-save needs --save-dir (where to write)");
   if (c.save_every < 0) return flag_error(absl::StrCat("--save-every must be >= 0 (got ", c.save_every, ")"));
   if (c.keep < 0) return flag_error(absl::StrCat("--keep must be >= 0 (0 keeps every checkpoint; got ", c.keep, ")"));
   if (c.stop_after < 0 || c.stop_after > c.steps) {

@@ -73,6 +73,9 @@ struct TrainConfig {
   std::string save_dir;
   int64_t save_every = 0;
   int64_t keep = 0;
+  // Stage each checkpoint to host memory and write it on a background
+  // thread while training goes on (at most one in flight).
+  bool async_save = false;
   // Continue from the newest complete checkpoint in save_dir (a first run
   // when there is none), at any world size or mesh.
   bool resume = false;

@@ -85,6 +85,9 @@ ABSL_FLAG(std::string, save_dir, "",
           "Write checkpoints to DIR/step-N (sharded safetensors, atomic); see --save-every, --keep, --resume.");
 ABSL_FLAG(int64_t, save_every, 0, "Save a checkpoint every this many steps (0: only after the last step).");
 ABSL_FLAG(int64_t, keep, 0, "Keep only the newest this many checkpoints in --save-dir (0: keep all).");
+ABSL_FLAG(bool, async_save, false,
+          "Write checkpoints on a background thread: the step is blocked only while the shards are copied to host "
+          "memory (at most one save in flight; the last is waited for at the end).");
 ABSL_FLAG(bool, resume, false,
           "Continue from the newest complete checkpoint in --save-dir (at any --nproc / --mesh); a first run "
           "when there is none.");
@@ -129,6 +132,7 @@ fsdp_train::TrainConfig config_from_flags() {
   c.save_dir = absl::GetFlag(FLAGS_save_dir);
   c.save_every = absl::GetFlag(FLAGS_save_every);
   c.keep = absl::GetFlag(FLAGS_keep);
+  c.async_save = absl::GetFlag(FLAGS_async_save);
   c.resume = absl::GetFlag(FLAGS_resume);
   c.export_hf = absl::GetFlag(FLAGS_export_hf);
   c.init_from = absl::GetFlag(FLAGS_init_from);

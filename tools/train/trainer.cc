@@ -218,6 +218,13 @@ void run_training(const TrainConfig& c, const std::shared_ptr<fsdp::collectives:
     return !c.save_dir.empty() && (step == last_step || (c.save_every > 0 && step % c.save_every == 0));
   };
   const std::string mesh_text = mesh.to_string();
+  // --async-save: the background writer's barriers need a group of their
+  // own, made by every rank (collective) before the loop.
+  std::unique_ptr<BackgroundCheckpointer> background;
+  if (c.async_save) {
+    background = std::make_unique<BackgroundCheckpointer>(c.save_dir, c.keep, metrics,
+                                                          world->new_group(world->all_ranks(), c10::kCPU));
+  }
 
   Progress progress(c.steps, c.log_every);
   std::vector<StepRecord> records;
@@ -264,9 +271,14 @@ void run_training(const TrainConfig& c, const std::shared_ptr<fsdp::collectives:
       saved.world_size = world_size;
       saved.mesh = mesh_text;
       saved.samples_seen = step * c.global_batch;
-      save_checkpoint(c.save_dir, c.keep, saved, *model, optim, metrics);
+      if (background) {
+        background->save(saved, *model, optim);
+      } else {
+        save_checkpoint(c.save_dir, c.keep, saved, *model, optim, metrics);
+      }
     }
   }
+  if (background) background->finish();
   if (rank == 0) progress.finish();
   if (rank == 0 && profiler.written()) std::printf("  profile       %s\n", profiler.describe().c_str());
   if (!c.export_hf.empty()) export_model_hf(c.export_hf, *model, metrics);
