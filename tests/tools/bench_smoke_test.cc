@@ -264,6 +264,17 @@ TEST(BenchSmoke, OverheadBenchPrintsPerGroupFiguresAndTheRatio) {
   std::smatch m;
   ASSERT_TRUE(std::regex_search(run.output, m, std::regex(R"(ours / PyTorch per group: (\S+))"))) << run.output;
   EXPECT_TRUE(std::isfinite(std::stod(m[1]))) << run.output;
+  // The same stack in strict mode (FSDP2CPP_STRICT_COLLECTIVES=1), and the
+  // flight recorder's own cost per collective.
+  const auto strict = lines_starting_with(run.output, "strict mode ");
+  ASSERT_EQ(strict.size(), 1u) << run.output;
+  const std::vector<double> strict_times = numbers_from(strict[0], 2);
+  ASSERT_GE(strict_times.size(), 2u) << strict[0];
+  EXPECT_GT(strict_times[0], 0) << strict[0];
+  EXPECT_GT(strict_times[1], 0) << strict[0];
+  ASSERT_TRUE(std::regex_search(run.output, m, std::regex(R"(flight recorder per collective .*: (\d+) ns)")))
+      << run.output;
+  EXPECT_GT(std::stod(m[1]), 0) << run.output;
 }
 
 }  // namespace

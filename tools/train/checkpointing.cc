@@ -144,13 +144,6 @@ std::string progress_json(const TrainingProgress& progress) {
       .dump();
 }
 
-fsdp::checkpoint::TrainingStateSaveOptions save_options(const TrainingProgress& progress, int64_t keep) {
-  fsdp::checkpoint::TrainingStateSaveOptions options;
-  options.mesh = progress.mesh;
-  options.keep = keep;
-  return options;
-}
-
 }  // namespace
 
 void save_checkpoint(const std::string& save_dir, int64_t keep, const TrainingProgress& progress,
@@ -158,8 +151,10 @@ void save_checkpoint(const std::string& save_dir, int64_t keep, const TrainingPr
                      const std::shared_ptr<Communicator>& group) {
   TrainerState state(model, optimizer);
   state.progress = progress_json(progress);
-  const auto saved =
-      fsdp::checkpoint::save_training_state(save_dir, progress.step, state.items, group, save_options(progress, keep));
+  fsdp::checkpoint::TrainingStateSaveOptions options;
+  options.mesh = progress.mesh;
+  options.keep = keep;
+  const auto saved = fsdp::checkpoint::save_training_state(save_dir, progress.step, state.items, group, options);
   const int64_t bytes = sum_over_ranks(*group, saved.bytes);
   print_progress(*group, "saved", saved.dir, bytes, saved.seconds);
 }
@@ -183,7 +178,10 @@ void BackgroundCheckpointer::save(const TrainingProgress& progress, torch::nn::M
   report_finished();
   TrainerState state(model, optimizer);
   state.progress = progress_json(progress);
-  const auto staged = saver_.save(save_dir_, progress.step, state.items, save_options(progress, keep_));
+  fsdp::checkpoint::TrainingStateSaveOptions options;
+  options.mesh = progress.mesh;
+  options.keep = keep_;
+  const auto staged = saver_.save(save_dir_, progress.step, state.items, options);
   const int64_t bytes = sum_over_ranks(*metrics_, staged.staged_bytes);
   const double blocked = max_over_ranks(*metrics_, staged.blocked_seconds);
   if (metrics_->rank() == 0) {
