@@ -60,8 +60,7 @@ std::optional<std::string> DivergenceMonitor::failure() const {
 
 void DivergenceMonitor::write_dump(const std::string& name, const std::string& text) const {
   if (options_.dump_dir.empty()) return;
-  // One level of directory, made with mkdir(2): std::filesystem is avoided
-  // here for the reason docs/build.md gives.
+  // One level of directory: the parent must exist (docs/debugging.md).
   if (::mkdir(options_.dump_dir.c_str(), 0755) != 0 && errno != EEXIST) {
     std::fprintf(stderr, "fsdp2cpp: rank %d: cannot create FSDP2CPP_FLIGHT_RECORDER_DIR %s\n", rank_,
                  options_.dump_dir.c_str());

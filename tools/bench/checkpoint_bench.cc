@@ -71,8 +71,7 @@ void drop_cache(const std::string& path) {
   ::close(fd);
 }
 
-// (No std::filesystem: the torch wheel's libtorch.so exports its own copy,
-// and calls bind to it and crash; see testing/src/distributed_test.cc.)
+// nftw(3) walks the tree without following links, as a cleanup should.
 void drop_cache_tree(const std::string& dir) {
   ::nftw(
       dir.c_str(),
