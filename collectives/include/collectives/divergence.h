@@ -11,7 +11,9 @@
 //     itself) that blocks for DivergenceOptions::timeout (default 30 s)
 //     asks every rank, through the rendezvous store, for its FlightLog
 //     (flight_recorder.h). Each rank's watchdog thread answers within a
-//     fraction of a second, whatever its main thread is doing.
+//     fraction of a second, unless its main thread holds the store in a
+//     blocking call (making a group); a rank that has not answered within
+//     a few seconds is reported as not answering.
 //  2. The waiting rank compares the logs (diagnose_divergence below) and
 //     throws a c10::Error whose message is the diagnosis: the first
 //     collective where the ranks disagree, each side's fingerprint, and
