@@ -20,14 +20,17 @@ constexpr std::array<const char*, static_cast<std::size_t>(Phase::kCount)> kPhas
 }  // namespace
 
 PhaseLabels::PhaseLabels(const std::string& module_fqn) {
+  // FSDP2 leaves the root's labels bare ("FSDP::all_gather"); in a trace or
+  // a divergence report that reads as no module at all, so it is named.
+  const std::string module = module_fqn.empty() ? "root" : module_fqn;
   for (std::size_t i = 0; i < labels_.size(); ++i) {
     const auto phase = static_cast<Phase>(i);
     std::string label = kPhaseNames[i];
     // A prefetch is labelled by the group it prefetches.
     if (phase == Phase::kForwardPrefetch || phase == Phase::kBackwardPrefetch) {
-      label += " for " + module_fqn;
-    } else if (!module_fqn.empty()) {
-      label += " (" + module_fqn + ")";
+      label += " for " + module;
+    } else {
+      label += " (" + module + ")";
     }
     labels_[i] = std::move(label);
   }

@@ -29,7 +29,7 @@ enum class Phase : std::size_t {
 };
 
 // One group's label for every Phase ("FSDP::all_gather (layers.3)", or
-// "FSDP::all_gather" for the module with the empty FQN), built once when the
+// "FSDP::all_gather (root)" for the module with the empty FQN), built once when the
 // group learns its module's FQN, so that labelling a phase on the per-step
 // path builds no string.
 class PhaseLabels {

@@ -178,8 +178,8 @@ TEST(Divergence, OneMoreMicroBatchOnOneRank) {
   // Same-sized collectives pair up silently; the first that differs is
   // rank 1's next forward against rank 0's end of training.
   EXPECT_THAT(text, HasSubstr("ranks diverged at collective #")) << text;
-  EXPECT_THAT(text, HasSubstr("rank 1 issued all_gather_into_tensor(Float, 26 elements) for FSDP::all_gather [in "
-                              "FSDP::pre_forward]"))
+  EXPECT_THAT(text, HasSubstr("rank 1 issued all_gather_into_tensor(Float, 26 elements) for FSDP::all_gather (root) "
+                              "[in FSDP::pre_forward (root)]"))
       << text;
   EXPECT_THAT(text, HasSubstr("rank 0 has issued nothing on it since #")) << text;
   EXPECT_THAT(text, HasSubstr("rank 0: waiting")) << text;

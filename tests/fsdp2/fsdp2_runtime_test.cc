@@ -428,10 +428,10 @@ TEST_P(Runtime, ImplicitBackwardPrefetchOrder) {
     at::Tensor loss = call_module(*model, local.x, local.y);
     recorder.clear();
     loss.backward();
-    const std::vector<std::string> expected{
-        "FSDP::pre_backward",      "FSDP::backward_prefetch for b1", "FSDP::all_gather (b1)",
-        "FSDP::pre_backward (b1)", "FSDP::backward_prefetch for b0", "FSDP::all_gather (b0)",
-        "FSDP::pre_backward (b0)"};
+    const std::vector<std::string> expected{"FSDP::pre_backward (root)",      "FSDP::backward_prefetch for b1",
+                                            "FSDP::all_gather (b1)",          "FSDP::pre_backward (b1)",
+                                            "FSDP::backward_prefetch for b0", "FSDP::all_gather (b0)",
+                                            "FSDP::pre_backward (b0)"};
     EXPECT_EQ(recorder.filtered({"FSDP::pre_backward", "FSDP::backward_prefetch", "FSDP::all_gather ("}), expected);
   });
 }

@@ -104,12 +104,12 @@ TEST(Nvtx, ShardedStepPushesEveryPhaseWithItsModuleFqn) {
                                  << " (NVTX not loaded, or no ranges pushed)";
 
     for (const char* name :
-         {"FSDP::root_pre_forward", "FSDP::all_gather", "FSDP::pre_forward (layers.0)", "FSDP::all_gather (layers.0)",
-          "FSDP::all_gather_copy_in (layers.0)", "FSDP::all_gather_copy_out (layers.0)",
+         {"FSDP::root_pre_forward", "FSDP::all_gather (root)", "FSDP::pre_forward (layers.0)",
+          "FSDP::all_gather (layers.0)", "FSDP::all_gather_copy_in (layers.0)", "FSDP::all_gather_copy_out (layers.0)",
           "FSDP::post_forward (layers.0)", "FSDP::pre_forward (layers.1)", "FSDP::all_gather (layers.1)",
           "FSDP::post_forward (layers.1)", "FSDP::pre_backward (layers.1)", "FSDP::pre_backward (layers.0)",
           "FSDP::post_backward (layers.1)", "FSDP::post_backward (layers.0)", "FSDP::reduce_scatter (layers.1)",
-          "FSDP::reduce_scatter (layers.0)", "FSDP::reduce_scatter", "FSDP::root_post_backward"}) {
+          "FSDP::reduce_scatter (layers.0)", "FSDP::reduce_scatter (root)", "FSDP::root_post_backward"}) {
       EXPECT_GE(find_push(events, name), 0) << "no NVTX range '" << name << "' in " << log;
     }
 
