@@ -89,9 +89,18 @@ TEST(FsdpTrainProfile, WritesAChromeTraceOfTheProfiledStepsWithTheFsdpPhases) {
         for (const Span& s : it->second) EXPECT_TRUE(inside(s, steps)) << name << " outside the profiled steps";
       }
     }
-    // The root's own phases (no FQN), and the operators underneath.
+    // The root's own phases, its group named "root" (the empty FQN; FSDP2
+    // leaves it unnamed). The root keeps its parameters from forward to
+    // backward, so it is gathered once a step.
     ASSERT_EQ(spans.count("FSDP::root_pre_forward"), 1u);
     EXPECT_EQ(spans.at("FSDP::root_pre_forward").size(), 2u);
+    for (const auto& [name, count] : std::vector<std::pair<const char*, size_t>>{
+             {"FSDP::all_gather (root)", 2}, {"FSDP::reduce_scatter (root)", 2}, {"FSDP::pre_forward (root)", 2}}) {
+      const auto it = spans.find(name);
+      ASSERT_NE(it, spans.end()) << "no '" << name << "' event in " << path;
+      EXPECT_EQ(it->second.size(), count) << name;
+    }
+    EXPECT_EQ(spans.count("FSDP::all_gather"), 0u) << "an unnamed all-gather in " << path;
     EXPECT_GE(spans.count("aten::mm") + spans.count("aten::matmul") + spans.count("aten::addmm"), 1u);
   }
   for (int rank = 0; rank < 2; ++rank) std::remove(fsdp_train::trace_path(dir, rank).c_str());
@@ -128,6 +137,39 @@ TEST(FsdpTrainProfile, ParsesProfileSteps) {
   EXPECT_EQ(single->last, 7);
   EXPECT_FALSE(fsdp_train::parse_profile_steps("3:2", 10).ok());
   EXPECT_FALSE(fsdp_train::parse_profile_steps("1:", 10).ok());
+}
+
+// --profile-steps A:B as an fsdp::Profiler schedule: one warm-up step before A
+// where the run has one; after --resume, only the steps still to run.
+TEST(FsdpTrainProfile, ProfileStepsBecomeTheProfilerSchedule) {
+  fsdp_train::TrainConfig c;
+  c.steps = 10;
+  c.profile_dir = "/tmp/unused";
+  c.profile_steps = "6:8";
+  const c10::Device cpu(c10::kCPU);
+  auto o = fsdp_train::profiler_options(c, 1, cpu, /*run_first_step=*/1);
+  ASSERT_TRUE(o.has_value());
+  EXPECT_EQ(o->rank, 1);
+  EXPECT_EQ(o->first_step_number, 1);
+  EXPECT_EQ(o->schedule.wait, 4);    // steps 1-4
+  EXPECT_EQ(o->schedule.warmup, 1);  // step 5
+  EXPECT_EQ(o->schedule.active, 3);  // steps 6-8
+  EXPECT_EQ(o->schedule.repeat, 1);
+  EXPECT_EQ(o->record_cuda, false);
+  EXPECT_EQ(fsdp_train::describe_profile(*o, "f.json"), "steps 6..8 in f.json (one file per rank)");
+
+  // Resumed at step 7: steps 7-8, no room for a warm-up step.
+  o = fsdp_train::profiler_options(c, 0, cpu, 7);
+  ASSERT_TRUE(o.has_value());
+  EXPECT_EQ(o->first_step_number, 7);
+  EXPECT_EQ(o->schedule.wait + o->schedule.warmup, 0);
+  EXPECT_EQ(o->schedule.active, 2);
+  EXPECT_EQ(fsdp_train::describe_profile(*o, "f.json"), "steps 7..8 in f.json (one file per rank)");
+  // Resumed after the profiled steps: nothing to profile.
+  EXPECT_FALSE(fsdp_train::profiler_options(c, 0, cpu, 9).has_value());
+  c.profile_dir.clear();
+  c.profile_steps.clear();
+  EXPECT_FALSE(fsdp_train::profiler_options(c, 0, cpu, 1).has_value());
 }
 
 }  // namespace

@@ -5,33 +5,14 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <set>
-#include <stdexcept>
 #include <system_error>
 
-#include <ATen/record_function.h>
 #include <c10/util/Exception.h>
-#include <torch/csrc/autograd/profiler_kineto.h>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 
 namespace fsdp_train {
-
-namespace {
-
-namespace profiler = torch::autograd::profiler;
-using torch::profiler::impl::ActivityType;
-using torch::profiler::impl::ProfilerConfig;
-using torch::profiler::impl::ProfilerState;
-
-std::set<ActivityType> activities(bool cuda) {
-  std::set<ActivityType> out = {ActivityType::CPU};
-  if (cuda) out.insert(ActivityType::CUDA);
-  return out;
-}
-
-}  // namespace
 
 absl::StatusOr<ProfileSteps> parse_profile_steps(const std::string& text, int64_t steps) {
   ProfileSteps out;
@@ -81,56 +62,32 @@ absl::Status prepare_profile_dir(const std::string& dir) {
   return absl::OkStatus();
 }
 
-StepProfiler::StepProfiler(const TrainConfig& config, int rank, const c10::Device& device)
-    : dir_(config.profile_dir), rank_(rank), cuda_(device.is_cuda()) {
-  if (dir_.empty()) return;
+std::optional<fsdp::ProfilerOptions> profiler_options(const TrainConfig& config, int rank, const c10::Device& device,
+                                                      int64_t run_first_step) {
+  if (config.profile_dir.empty()) return std::nullopt;
   auto steps = parse_profile_steps(config.profile_steps, config.steps);
-  if (!steps.ok()) throw std::runtime_error(std::string(steps.status().message()));
-  steps_ = *steps;
-  if (const absl::Status ready = prepare_profile_dir(dir_); !ready.ok()) {
-    throw std::runtime_error(std::string(ready.message()));
-  }
-  // Loads Kineto's activity handlers now, so that their start-up cost is not
-  // in the first profiled step.
-  profiler::prepareProfiler(ProfilerConfig(ProfilerState::KINETO), activities(cuda_));
+  TORCH_CHECK(steps.ok(), steps.status().message());
+  const int64_t first = std::max(steps->first, run_first_step);
+  if (first > steps->last) return std::nullopt;
+  fsdp::ProfilerOptions options;
+  options.trace_dir = config.profile_dir;
+  options.rank = rank;
+  options.first_step_number = run_first_step;
+  options.record_cuda = device.is_cuda();
+  options.schedule.skip_first = 0;
+  // The step before the first profiled one starts the profiler up, so that
+  // Kineto's start-up cost is not in the trace.
+  options.schedule.warmup = first > run_first_step ? 1 : 0;
+  options.schedule.wait = first - run_first_step - options.schedule.warmup;
+  options.schedule.active = steps->last - first + 1;
+  options.schedule.repeat = 1;
+  return options;
 }
 
-StepProfiler::~StepProfiler() {
-  step_label_.reset();
-  if (running_) {
-    try {
-      profiler::disableProfiler();
-    } catch (...) {  // NOLINT(bugprone-empty-catch): already unwinding from the run's own error
-    }
-  }
-}
-
-void StepProfiler::begin_step(int64_t step) {
-  if (dir_.empty() || step < steps_.first || step > steps_.last) return;
-  if (step == steps_.first) {
-    profiler::enableProfiler(ProfilerConfig(ProfilerState::KINETO), activities(cuda_));
-    running_ = true;
-  }
-  step_label_ = std::make_unique<at::RecordFunction>(at::RecordScope::USER_SCOPE);
-  if (step_label_->isActive()) step_label_->before(absl::StrCat("ProfilerStep#", step));
-}
-
-void StepProfiler::end_step(int64_t step) {
-  if (!running_ || step < steps_.first || step > steps_.last) return;
-  step_label_.reset();
-  if (step < steps_.last) return;
-  running_ = false;
-  std::unique_ptr<profiler::ProfilerResult> result = profiler::disableProfiler();
-  const std::string path = trace_path(dir_, rank_);
-  TORCH_CHECK(result != nullptr, "--profile: the profiler returned no result for steps ", steps_.first, "..",
-              steps_.last);
-  result->save(path);
-  written_ = path;
-}
-
-std::string StepProfiler::describe() const {
-  return absl::StrCat("steps ", steps_.first, "..", steps_.last, " in ", written_.value_or("(not written)"),
-                      " (one file per rank)");
+std::string describe_profile(const fsdp::ProfilerOptions& options, const std::string& file) {
+  const int64_t first =
+      options.first_step_number + options.schedule.skip_first + options.schedule.wait + options.schedule.warmup;
+  return absl::StrCat("steps ", first, "..", first + options.schedule.active - 1, " in ", file, " (one file per rank)");
 }
 
 }  // namespace fsdp_train

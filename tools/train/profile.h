@@ -1,22 +1,16 @@
 // --profile: a LibTorch (Kineto) trace of some training steps, written as
-// Chrome trace JSON that Perfetto (ui.perfetto.dev) and chrome://tracing open.
-// The FSDP phases are labelled in it by their RecordFunction names
-// ("FSDP::all_gather (layers.0)", "FSDP::reduce_scatter (layers.0)", ...),
-// each step by "ProfilerStep#<step>" as torch.profiler names it; on CUDA the
-// trace also shows the kernels and NCCL on their streams.
-//
-//   StepProfiler profiler(config, rank, device);     // nothing when --profile is unset
-//   for (int64_t step = 1; step <= steps; ++step) {
-//     profiler.begin_step(step);
-//     ... forward, backward, optimizer ...
-//     profiler.end_step(step);                        // after the last profiled step: saves
-//   }
+// Chrome trace JSON that Perfetto (ui.perfetto.dev) and chrome://tracing open,
+// by the public fsdp::Profiler (fsdp2/profiler.h), which the trainer uses as
+// any training program would. The FSDP phases are labelled in it by their
+// RecordFunction names ("FSDP::all_gather (layers.0)", "FSDP::reduce_scatter
+// (layers.0)", "FSDP::all_gather (root)", ...), each step by
+// "ProfilerStep#<step>" with the trainer's step numbers; on CUDA the trace
+// also shows the kernels and NCCL on their streams.
 //
 // Each rank writes <dir>/trace_rank<R>.json.
 #pragma once
 
 #include <cstdint>
-#include <memory>
 #include <optional>
 #include <string>
 
@@ -25,10 +19,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "config.h"
-
-namespace at {
-class RecordFunction;
-}
+#include "fsdp2/profiler.h"
 
 namespace fsdp_train {
 
@@ -51,39 +42,15 @@ std::string trace_path(const std::string& dir, int rank);
 // written in it. Fails naming --profile.
 absl::Status prepare_profile_dir(const std::string& dir);
 
-// Runs LibTorch's Kineto profiler over the steps of --profile-steps.
-// Threading: call from the training thread; the profiler follows the work
-// into autograd's threads. Only one profiler may run in a process.
-class StepProfiler {
- public:
-  // Does nothing when config.profile_dir is empty. REQUIRES:
-  // validate(config, ...) is OK.
-  StepProfiler(const TrainConfig& config, int rank, const c10::Device& device);
-  // Stops a trace that is still running (an exception mid-run) without
-  // saving it.
-  ~StepProfiler();
-  StepProfiler(const StepProfiler&) = delete;
-  StepProfiler& operator=(const StepProfiler&) = delete;
+// The fsdp::Profiler options that record the steps of --profile-steps, one
+// warm-up step before the first of them where the run has one, in a run whose
+// first step is `run_first_step` (later than 1 after --resume: steps already
+// done are not profiled). nullopt when --profile is unset or every profiled
+// step is already done. REQUIRES: validate(config, ...) is OK.
+std::optional<fsdp::ProfilerOptions> profiler_options(const TrainConfig& config, int rank, const c10::Device& device,
+                                                      int64_t run_first_step);
 
-  // Starts the profiler at the first profiled step, and labels the step.
-  void begin_step(int64_t step);
-  // Closes the step's label; after the last profiled step, stops the
-  // profiler and writes the trace (throws std::runtime_error when it cannot).
-  void end_step(int64_t step);
-
-  // The file written, once written.
-  const std::optional<std::string>& written() const { return written_; }
-  // "steps A..B in <file> (one file per rank)", for the run's summary.
-  std::string describe() const;
-
- private:
-  std::string dir_;
-  ProfileSteps steps_;
-  int rank_ = 0;
-  bool cuda_ = false;
-  bool running_ = false;
-  std::unique_ptr<at::RecordFunction> step_label_;
-  std::optional<std::string> written_;
-};
+// "steps A..B in <file> (one file per rank)", for the run's summary.
+std::string describe_profile(const fsdp::ProfilerOptions& options, const std::string& file);
 
 }  // namespace fsdp_train

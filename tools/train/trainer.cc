@@ -231,9 +231,10 @@ void run_training(const TrainConfig& c, const std::shared_ptr<fsdp::collectives:
   const double tokens_per_step = static_cast<double>(c.global_batch * c.seq_len);
   double step_seconds_total = 0;
   // --profile (profile.h): a Kineto trace of the steps of --profile-steps.
-  StepProfiler profiler(c, rank, device);
+  const std::optional<fsdp::ProfilerOptions> profile = profiler_options(c, rank, device, first_step);
+  std::optional<fsdp::Profiler> profiler;
+  if (profile) profiler.emplace(*profile);
   for (int64_t step = first_step; step <= last_step; ++step) {
-    profiler.begin_step(step);
     const auto start = Clock::now();
     for (auto& group : optim.param_groups()) {
       static_cast<torch::optim::AdamWOptions&>(group.options()).lr(learning_rate(c, step));
@@ -264,7 +265,7 @@ void run_training(const TrainConfig& c, const std::shared_ptr<fsdp::collectives:
     record.tokens_per_s = tokens_per_step / record.seconds;
     records.push_back(record);
     if (rank == 0) progress.update(record);
-    profiler.end_step(step);
+    if (profiler) profiler->step();
     if (checkpoint_due(step)) {
       TrainingProgress saved;
       saved.step = step;
@@ -280,7 +281,10 @@ void run_training(const TrainConfig& c, const std::shared_ptr<fsdp::collectives:
   }
   if (background) background->finish();
   if (rank == 0) progress.finish();
-  if (rank == 0 && profiler.written()) std::printf("  profile       %s\n", profiler.describe().c_str());
+  if (profiler) profiler->stop();
+  if (rank == 0 && profiler && !profiler->traces_written().empty()) {
+    std::printf("  profile       %s\n", describe_profile(*profile, profiler->traces_written().front()).c_str());
+  }
   if (!c.export_hf.empty()) export_model_hf(c.export_hf, *model, metrics);
   if (records.empty()) {
     if (rank == 0) {
