@@ -5,6 +5,7 @@
 // (PyTorch's DistributedSampler), a new shuffle each epoch.
 //
 //   tiny_lm_train --nproc 2                              2 local ranks, FSDP
+//   tiny_lm_train --nproc 2 --profile prof               and a Kineto trace per rank
 //   fsdprun --nproc 4 --mesh 2x2 -- tiny_lm_train        HSDP: 2 replicas x 2 shards
 //   torchrun --nproc-per-node 4 --no-python tiny_lm_train
 //
@@ -14,6 +15,8 @@
 #include <cmath>
 #include <cstdio>
 #include <memory>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -27,6 +30,7 @@
 #include "device_mesh/device_mesh.h"
 #include "fsdp2/fully_shard.h"
 #include "fsdp2/module_call.h"
+#include "fsdp2/profiler.h"
 #include "fsdp_data/distributed_sampler.h"
 #include "launch/launch.h"
 #include "tiny_lm.h"
@@ -60,6 +64,15 @@ at::Tensor next_token_loss(tiny_lm::TinyLM& model, const at::Tensor& tokens) {
 
 int main(int argc, char** argv) {
   if (auto rc = fsdp::launch::maybe_launch_local(argc, argv)) return *rc;
+  std::optional<std::string> profile_dir;
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--profile" && i + 1 < argc) {
+      profile_dir = argv[++i];
+      continue;
+    }
+    std::fprintf(stderr, "usage: tiny_lm_train [--nproc N] [--profile DIR]\nunknown argument '%s'\n", argv[i]);
+    return 2;
+  }
   auto world = fsdp::collectives::World::from_env();
   const int rank = world->rank(), world_size = world->size();
 
@@ -98,6 +111,20 @@ int main(int argc, char** argv) {
     std::printf("%lld samples over %d ranks: %lld per rank, up to %lld per step\n",
                 static_cast<long long>(dataset.size(0)), world_size, static_cast<long long>(sampler.num_samples()),
                 static_cast<long long>(kBatchPerRank));
+  }
+
+  // --profile DIR: each rank writes DIR/trace_rank<R>.json, a Kineto trace of
+  // steps 1 and 2 with the FSDP phases labelled, for Perfetto or
+  // chrome://tracing.
+  std::optional<fsdp::Profiler> profiler;
+  if (profile_dir) {
+    fsdp::ProfilerOptions profiling;
+    profiling.trace_dir = *profile_dir;
+    profiling.rank = rank;
+    profiling.schedule.wait = 0;
+    profiling.schedule.warmup = 1;  // step 0 (and lazy initialization): the profiler starts up
+    profiling.schedule.active = 2;  // steps 1 and 2: recorded
+    profiler.emplace(profiling);
   }
 
   double worst = 0;
@@ -139,7 +166,12 @@ int main(int argc, char** argv) {
       const double got = global_loss.item<double>(), want = expected.item<double>();
       worst = std::max(worst, std::abs(got - want));
       if (rank == 0) std::printf("step %d loss %.6f unsharded %.6f\n", step, got, want);
+      if (profiler) profiler->step();
     }
+  }
+  if (profiler) {
+    profiler->stop();  // a run of 2 steps (4 ranks) writes step 1 alone
+    for (const std::string& trace : profiler->traces_written()) std::printf("profile: %s\n", trace.c_str());
   }
 
   // A method other than forward reads the parameters directly: outside

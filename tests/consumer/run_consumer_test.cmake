@@ -201,9 +201,26 @@ endif()
 step("configure examples/downstream" "${CMAKE_COMMAND}" -S "${DOWNSTREAM_SOURCE_DIR}" -B "${DOWNSTREAM_BINARY_DIR}"
      ${toolchain_args})
 step("build examples/downstream" "${CMAKE_COMMAND}" --build "${DOWNSTREAM_BINARY_DIR}")
-step("run examples/downstream (fsdprun --nproc 4 --mesh 2x2)" "${fsdprun}" --nproc 4 --mesh 2x2 --
-     "${DOWNSTREAM_BINARY_DIR}/tiny_lm_train")
+set(profile_dir "${DOWNSTREAM_BINARY_DIR}/profile")
+file(REMOVE_RECURSE "${profile_dir}")
+step("run examples/downstream (fsdprun --nproc 4 --mesh 2x2, --profile)" "${fsdprun}" --nproc 4 --mesh 2x2 --
+     "${DOWNSTREAM_BINARY_DIR}/tiny_lm_train" --profile "${profile_dir}")
 message(STATUS "examples/downstream output:\n${step_output}")
 if(NOT step_output MATCHES "\\[rank0\\] OK: 4 ranks, DeviceMesh\\(cpu, \\[\\[0, 1\\], \\[2, 3\\]\\]")
   message(FATAL_ERROR "consumer test: examples/downstream did not report a matching HSDP 2x2 run:\n${step_output}")
 endif()
+# fsdp::Profiler from the installed headers and library: one trace per rank,
+# the root's phases named.
+foreach(rank RANGE 3)
+  set(trace "${profile_dir}/trace_rank${rank}.json")
+  if(NOT EXISTS "${trace}")
+    message(FATAL_ERROR "consumer test: examples/downstream --profile wrote no ${trace}:\n${step_output}")
+  endif()
+  file(READ "${trace}" trace_text)
+  foreach(label "ProfilerStep#1" "FSDP::all_gather (root)" "FSDP::reduce_scatter (blocks.0)")
+    string(FIND "${trace_text}" "${label}" at)
+    if(at EQUAL -1)
+      message(FATAL_ERROR "consumer test: ${trace} has no '${label}'")
+    endif()
+  endforeach()
+endforeach()

@@ -1,13 +1,21 @@
 // The examples (examples/) run as a user runs them: fully_shard_basic and
 // tiny_lm_train at 2 ranks through their own --nproc, tiny_lm_train as HSDP
 // 2x2 through fsdprun. Each is checked on what it computes: the loss goes
-// down; the sharded run matches unsharded training.
+// down; the sharded run matches unsharded training; tiny_lm_train --profile
+// writes each rank's trace with its steps and FSDP phases.
+#include <unistd.h>
+
+#include <algorithm>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
 #include <regex>
 #include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "run_program.h"
 
@@ -80,6 +88,53 @@ TEST(Examples, TinyLmMatchesUnshardedTrainingWhenTheDatasetDoesNotDivide) {
   const std::vector<std::string> lines = lines_of_rank(r.out, 0);
   ASSERT_FALSE(lines.empty()) << describe(r);
   EXPECT_EQ(lines.front(), "12 samples over 5 ranks: 3 per rank, up to 3 per step") << describe(r);
+}
+
+// How many complete ("X") events of each name the Chrome trace at `path` holds.
+std::map<std::string, int> trace_events(const std::string& path) {
+  std::map<std::string, int> out;
+  std::ifstream in(path);
+  if (!in.good()) return out;
+  const nlohmann::json trace = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (!trace.is_object() || !trace.contains("traceEvents")) return out;
+  for (const auto& e : trace.at("traceEvents")) {
+    if (e.contains("name") && e.value("ph", "") == "X") ++out[e.at("name").get<std::string>()];
+  }
+  return out;
+}
+
+// A user's program profiled with fsdp::Profiler (examples/downstream/main.cc):
+// each rank's trace holds steps 1 and 2 with the phases of every group, the
+// root's named "root"; and profiling changes no number.
+TEST(Examples, TinyLmProfileWritesEachRanksTraceOfStepsOneAndTwo) {
+  char dir_template[] = "/tmp/tiny_lm_profile.XXXXXX";
+  ASSERT_NE(::mkdtemp(dir_template), nullptr);
+  const std::string dir = std::string(dir_template) + "/prof";  // created by the profiler
+  const RunResult r = run({TINY_LM_TRAIN_BINARY, "--nproc", "2", "--profile", dir});
+  expect_matches_unsharded(r, 2, "DeviceMesh\\(cpu, \\[0, 1\\], dim_names=\\[\"shard\"\\]\\)");
+  for (int rank = 0; rank < 2; ++rank) {
+    SCOPED_TRACE("rank " + std::to_string(rank));
+    const std::string path = dir + "/trace_rank" + std::to_string(rank) + ".json";
+    const std::vector<std::string> lines = lines_of_rank(r.out, rank);
+    EXPECT_NE(std::find(lines.begin(), lines.end(), "profile: " + path), lines.end()) << describe(r);
+    std::map<std::string, int> events = trace_events(path);
+    ASSERT_FALSE(events.empty()) << "no Chrome trace at " << path;
+    EXPECT_EQ(events.count("ProfilerStep#0"), 0u);
+    EXPECT_EQ(events["ProfilerStep#1"], 1);
+    EXPECT_EQ(events["ProfilerStep#2"], 1);
+    EXPECT_EQ(events.count("ProfilerStep#3"), 0u);
+    // Two steps: the blocks reshard after forward and are gathered again in
+    // backward; the root keeps its parameters until backward.
+    for (const auto& [name, count] : std::map<std::string, int>{{"FSDP::all_gather (root)", 2},
+                                                                {"FSDP::all_gather (stem)", 4},
+                                                                {"FSDP::all_gather (blocks.1)", 4},
+                                                                {"FSDP::reduce_scatter (root)", 2},
+                                                                {"FSDP::reduce_scatter (blocks.0)", 2},
+                                                                {"FSDP::root_pre_forward", 2}}) {
+      EXPECT_EQ(events[name], count) << name << " in " << path;
+    }
+  }
+  std::filesystem::remove_all(dir_template);
 }
 
 TEST(Examples, TinyLmMatchesUnshardedTrainingAsHsdpTwoByTwo) {
