@@ -68,21 +68,23 @@ std::vector<int> profiled_steps(const std::string& path) {
 // One step of a "training loop" with an operator the trace can show.
 void some_work() { (void)at::mm(at::ones({8, 8}), at::ones({8, 8})); }
 
-ProfilerOptions options_in(const TempDir& dir) {
+// Rank 0's options writing into `dir`, with the schedule's counts.
+ProfilerOptions options_in(const TempDir& dir, int64_t wait = 1, int64_t warmup = 1, int64_t active = 2,
+                           int64_t repeat = 1) {
   ProfilerOptions o;
   o.trace_dir = dir.path();
   o.rank = 0;
+  o.schedule.wait = wait;
+  o.schedule.warmup = warmup;
+  o.schedule.active = active;
+  o.schedule.repeat = repeat;
   return o;
 }
 
 TEST(Profiler, ScheduleRecordsEachCycleIntoItsOwnTrace) {
   const TempDir dir;
-  ProfilerOptions o = options_in(dir);
+  ProfilerOptions o = options_in(dir, /*wait=*/1, /*warmup=*/1, /*active=*/2, /*repeat=*/2);
   o.schedule.skip_first = 1;
-  o.schedule.wait = 1;
-  o.schedule.warmup = 1;
-  o.schedule.active = 2;
-  o.schedule.repeat = 2;
   Profiler profiler(o);
   for (int step = 0; step < 11; ++step) {
     EXPECT_EQ(profiler.step_number(), step);
@@ -101,12 +103,9 @@ TEST(Profiler, ScheduleRecordsEachCycleIntoItsOwnTrace) {
 
 TEST(Profiler, OneCycleWritesTraceRankFileNumberedFromTheFirstStep) {
   const TempDir dir;
-  ProfilerOptions o = options_in(dir);
+  ProfilerOptions o = options_in(dir, /*wait=*/0, /*warmup=*/0, /*active=*/1);
   o.rank = 3;
   o.first_step_number = 1;
-  o.schedule.wait = 0;
-  o.schedule.warmup = 0;
-  o.schedule.active = 1;
   Profiler profiler(o);
   for (int i = 0; i < 4; ++i) {
     some_work();
@@ -119,11 +118,7 @@ TEST(Profiler, OneCycleWritesTraceRankFileNumberedFromTheFirstStep) {
 
 TEST(Profiler, RepeatZeroCyclesUntilDestroyedAndTheLastPartialCycleIsWritten) {
   const TempDir dir;
-  ProfilerOptions o = options_in(dir);
-  o.schedule.wait = 0;
-  o.schedule.warmup = 1;
-  o.schedule.active = 2;
-  o.schedule.repeat = 0;
+  ProfilerOptions o = options_in(dir, /*wait=*/0, /*warmup=*/1, /*active=*/2, /*repeat=*/0);
   {
     Profiler profiler(o);
     for (int step = 0; step < 8; ++step) {  // ends inside the third cycle's active steps
@@ -143,10 +138,7 @@ TEST(Profiler, RepeatZeroCyclesUntilDestroyedAndTheLastPartialCycleIsWritten) {
 
 TEST(Profiler, StopWritesTheRecordingCycleAndEndsProfiling) {
   const TempDir dir;
-  ProfilerOptions o = options_in(dir);
-  o.schedule.wait = 0;
-  o.schedule.warmup = 0;
-  o.schedule.active = 5;
+  ProfilerOptions o = options_in(dir, /*wait=*/0, /*warmup=*/0, /*active=*/5);
   Profiler profiler(o);
   some_work();
   profiler.step();
@@ -160,10 +152,7 @@ TEST(Profiler, StopWritesTheRecordingCycleAndEndsProfiling) {
 
 TEST(Profiler, NothingIsWrittenWhenAnExceptionUnwindsTheLoop) {
   const TempDir dir;
-  ProfilerOptions o = options_in(dir);
-  o.schedule.wait = 0;
-  o.schedule.warmup = 0;
-  o.schedule.active = 3;
+  ProfilerOptions o = options_in(dir, /*wait=*/0, /*warmup=*/0, /*active=*/3);
   try {
     Profiler profiler(o);
     some_work();
