@@ -29,6 +29,7 @@
 #include "absl/strings/str_join.h"
 #include "checkpointing.h"
 #include "collectives/communicator.h"
+#include "collectives/flight_recorder.h"
 #include "data.h"
 #include "device_mesh/device_mesh.h"
 #include "fsdp2/clip_grad.h"
@@ -91,9 +92,15 @@ CommSeconds exposed_comm_seconds(const fsdp::FSDPModule& root) {
   return {stats.all_gather_wait_seconds, stats.reduce_scatter_wait_seconds};
 }
 
+// Labels of the trainer's own collectives, so that a divergence report says
+// what a rank waiting on the metrics group is doing (docs/debugging.md).
+constexpr char kStepMetricsLabel[] = "fsdp_train: step metrics";
+constexpr char kRunSummaryLabel[] = "fsdp_train: run summary";
+
 // Every rank's `values` (same length on each), rank-major, on every rank.
 template <typename T>
-std::vector<T> all_gather(Communicator& group, const std::vector<T>& values) {
+std::vector<T> all_gather(Communicator& group, const std::vector<T>& values, const char* label) {
+  const fsdp::collectives::CollectiveLabel scope(label);
   const auto dtype = c10::CppTypeToScalarType<T>::value;
   const at::Tensor input = at::tensor(values, dtype);
   at::Tensor output = at::empty({group.size() * static_cast<int64_t>(values.size())}, dtype);
@@ -102,7 +109,8 @@ std::vector<T> all_gather(Communicator& group, const std::vector<T>& values) {
 }
 
 template <typename T>
-T all_reduce(Communicator& group, T value, ReduceOp op) {
+T all_reduce(Communicator& group, T value, ReduceOp op, const char* label) {
+  const fsdp::collectives::CollectiveLabel scope(label);
   at::Tensor t = at::tensor({value}, c10::CppTypeToScalarType<T>::value);
   group.all_reduce(t, op).wait();
   return t.item<T>();
@@ -259,9 +267,9 @@ void run_training(const TrainConfig& c, const std::shared_ptr<fsdp::collectives:
     // mean of the ranks' means is the global mean.
     StepRecord record;
     record.step = step;
-    record.loss = all_reduce(*metrics, local_loss, ReduceOp::sum()) / world_size;
-    record.peak_mem_bytes = all_reduce(*metrics, peak_memory_bytes(device), ReduceOp::max());
-    record.seconds = all_reduce(*metrics, seconds, ReduceOp::max());
+    record.loss = all_reduce(*metrics, local_loss, ReduceOp::sum(), kStepMetricsLabel) / world_size;
+    record.peak_mem_bytes = all_reduce(*metrics, peak_memory_bytes(device), ReduceOp::max(), kStepMetricsLabel);
+    record.seconds = all_reduce(*metrics, seconds, ReduceOp::max(), kStepMetricsLabel);
     record.tokens_per_s = tokens_per_step / record.seconds;
     records.push_back(record);
     if (rank == 0) progress.update(record);
@@ -296,10 +304,11 @@ void run_training(const TrainConfig& c, const std::shared_ptr<fsdp::collectives:
   }
 
   // Per-rank summary numbers, gathered (collective: every rank takes part).
-  const std::vector<int64_t> peaks = all_gather(*metrics, std::vector<int64_t>{peak_memory_bytes(device)});
+  const std::vector<int64_t> peaks =
+      all_gather(*metrics, std::vector<int64_t>{peak_memory_bytes(device)}, kRunSummaryLabel);
   const CommSeconds comm = root ? exposed_comm_seconds(*root) : CommSeconds{};
-  const std::vector<double> times =
-      all_gather(*metrics, std::vector<double>{comm.all_gather, comm.reduce_scatter, step_seconds_total});
+  const std::vector<double> times = all_gather(
+      *metrics, std::vector<double>{comm.all_gather, comm.reduce_scatter, step_seconds_total}, kRunSummaryLabel);
   if (rank == 0) {
     double ag = 0, rs = 0, total = 0;
     for (int r = 0; r < world_size; ++r) {
