@@ -1,18 +1,23 @@
 // fsdp_train's checkpoints end to end: a run stopped after 10 of 20 steps and
 // resumed from its checkpoint trains exactly as the uninterrupted run (at
 // the same world size bit for bit, at another one within 1e-5), a process
-// killed in a save leaves the previous checkpoint usable, and the Hugging
-// Face export carries the same weights as the sharded checkpoint.
-#include <ftw.h>
+// killed in a save leaves the previous checkpoint usable, a rank killed under
+// --max-restarts restarts the group from its newest checkpoint, and the
+// Hugging Face export carries the same weights as the sharded checkpoint.
+#include <fcntl.h>
 #include <gtest/gtest.h>
-#include <sys/stat.h>
+#include <signal.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -21,25 +26,20 @@
 namespace fsdp_train_test {
 namespace {
 
-// POSIX, not std::filesystem: the torch wheel's libtorch.so exports its own
-// copy of std::filesystem and calls from here would bind to it and crash.
-bool exists(const std::string& path) {
-  struct stat st {};
-  return ::stat(path.c_str(), &st) == 0;
-}
+bool exists(const std::string& path) { return std::filesystem::exists(path); }
 
 int64_t file_size(const std::string& path) {
-  struct stat st {};
-  return ::stat(path.c_str(), &st) == 0 ? static_cast<int64_t>(st.st_size) : -1;
+  std::error_code ec;
+  const auto size = std::filesystem::file_size(path, ec);
+  return ec ? -1 : static_cast<int64_t>(size);
 }
 
 constexpr int kSteps = 20;
 constexpr int kStopAfter = 10;
 
 void remove_tree(const std::string& path) {
-  ::nftw(
-      path.c_str(), [](const char* p, const struct stat*, int, FTW*) { return std::remove(p); }, 16,
-      FTW_DEPTH | FTW_PHYS);
+  std::error_code ignored;
+  std::filesystem::remove_all(path, ignored);
 }
 
 // A directory tree removed with everything in it.
@@ -124,6 +124,75 @@ TEST(FsdpTrainCheckpoint, ResumeAtTheSameWorldSizeIsBitExact) {
   const TrainRecord resumed =
       train(with(run_flags(dir / "resumed.json", 2), {"--save-dir", saves, "--resume"}), "resumed run");
   expect_tail_matches(full, resumed, 0.0);
+}
+
+// The processes whose parent is `parent` (from /proc/<pid>/stat).
+std::vector<pid_t> children_of(pid_t parent) {
+  std::vector<pid_t> out;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc")) {
+    const std::string name = entry.path().filename().string();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream in(entry.path() / "stat");
+    std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const size_t end_of_name = stat.rfind(')');  // the command may hold spaces and parentheses
+    if (end_of_name == std::string::npos) continue;
+    std::istringstream fields(stat.substr(end_of_name + 1));
+    char state = 0;
+    pid_t ppid = -1;
+    if (fields >> state >> ppid && ppid == parent) out.push_back(static_cast<pid_t>(std::stol(name)));
+  }
+  return out;
+}
+
+// fsdp_train --nproc 2 --max-restarts 1 --resume: a rank killed (SIGKILL)
+// once step 5's checkpoint is committed stops the group, which restarts and
+// resumes from the newest complete checkpoint; every step it then trains
+// equals the uninterrupted run's, bit for bit.
+TEST(FsdpTrainCheckpoint, KilledRankRestartsTheGroupFromTheNewestCheckpoint) {
+  constexpr int kLongRun = 200;  // the kill lands long before the end
+  ScratchTree dir;
+  std::vector<std::string> flags = small_run_flags(dir / "full.json", kLongRun);
+  flags.insert(flags.end(), {"--nproc", "2"});
+  const TrainRecord full = train(flags, "uninterrupted run");
+  ASSERT_EQ(full.losses.size(), static_cast<size_t>(kLongRun));
+
+  const std::string saves = dir / "saves", log = dir / "output.txt";
+  std::vector<std::string> restartable = small_run_flags(dir / "restarted.json", kLongRun);
+  restartable.insert(restartable.end(), {"--nproc", "2", "--max-restarts", "1", "--save-dir", saves, "--save-every",
+                                         "5", "--resume", "--keep", "0"});
+  const int out = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  ASSERT_GE(out, 0);
+  const pid_t launcher = start_program(FSDP_TRAIN_BINARY, restartable, out);
+  ::close(out);
+  ASSERT_GT(launcher, 0);
+  // step-5 appears when its save is committed (renamed from .tmp-step-5).
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(5);
+  while (!exists(saves + "/step-5") && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  const std::vector<pid_t> ranks = children_of(launcher);
+  EXPECT_EQ(ranks.size(), 2u) << "the launcher's rank processes";
+  if (!ranks.empty()) ::kill(ranks.back(), SIGKILL);
+  const int exit_code = wait_for_exit(launcher);
+  std::ifstream in(log);
+  const std::string output((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSERT_EQ(exit_code, 0) << output;
+  EXPECT_NE(output.find("; restarting the group (restart 1 of 1)"), std::string::npos) << output;
+
+  // The restarted attempt's record: from the step after a committed
+  // checkpoint to the end, each loss the uninterrupted run's.
+  const TrainRecord restarted = read_train_json(dir / "restarted.json");
+  ASSERT_TRUE(restarted.ok) << output;
+  ASSERT_FALSE(restarted.steps.empty());
+  const int first = restarted.steps.front();
+  EXPECT_GE(first, 6) << output;
+  EXPECT_EQ((first - 1) % 5, 0) << "resumed from step " << first - 1 << ", not a checkpoint";
+  EXPECT_LT(first, kLongRun) << "the kill came after the run ended:\n" << output;
+  ASSERT_EQ(restarted.losses.size(), static_cast<size_t>(kLongRun - first + 1));
+  for (size_t i = 0; i < restarted.losses.size(); ++i) {
+    EXPECT_EQ(restarted.steps[i], first + static_cast<int>(i));
+    EXPECT_EQ(restarted.losses[i], full.losses[first - 1 + i]) << "step " << restarted.steps[i];
+  }
 }
 
 // --async-save writes the same checkpoints in the background: a run that

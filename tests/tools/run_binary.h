@@ -24,10 +24,9 @@ struct RunResult {
   std::string output;  // stdout and stderr, interleaved
 };
 
-// Runs `program` with `args` (no shell) and waits for it. The child gets this
-// process's environment without the rendezvous variables (RANK, WORLD_SIZE,
-// ...), so a test run never joins some outer job.
-inline RunResult run_program(const std::string& program, const std::vector<std::string>& args) {
+// This process's environment without the rendezvous variables (RANK,
+// WORLD_SIZE, ...), so that a test run never joins some outer job.
+inline std::vector<std::string> environment_for_child() {
   std::vector<std::string> env;
   for (char** e = environ; *e != nullptr; ++e) {
     const std::string entry = *e;
@@ -38,6 +37,13 @@ inline RunResult run_program(const std::string& program, const std::vector<std::
     }
     env.push_back(entry);
   }
+  return env;
+}
+
+// Starts `program` with `args` (no shell, environment_for_child()), its
+// stdout and stderr on `output_fd`. Returns its pid, or -1.
+inline pid_t start_program(const std::string& program, const std::vector<std::string>& args, int output_fd) {
+  std::vector<std::string> env = environment_for_child();
   std::vector<std::string> argv_strings = {program};
   argv_strings.insert(argv_strings.end(), args.begin(), args.end());
   auto c_strings = [](std::vector<std::string>& strings) {
@@ -47,19 +53,33 @@ inline RunResult run_program(const std::string& program, const std::vector<std::
     return out;
   };
   std::vector<char*> argv = c_strings(argv_strings), envp = c_strings(env);
-
-  RunResult result;
-  int fds[2];
-  if (::pipe2(fds, O_CLOEXEC) != 0) return result;
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);
-  posix_spawn_file_actions_adddup2(&actions, fds[1], STDERR_FILENO);
+  posix_spawn_file_actions_adddup2(&actions, output_fd, STDOUT_FILENO);
+  posix_spawn_file_actions_adddup2(&actions, output_fd, STDERR_FILENO);
   pid_t pid = -1;
   const int rc = ::posix_spawn(&pid, program.c_str(), &actions, nullptr, argv.data(), envp.data());
   posix_spawn_file_actions_destroy(&actions);
+  return rc == 0 ? pid : -1;
+}
+
+// The exit code of child `pid` once it ends; 128 + signal when killed.
+inline int wait_for_exit(pid_t pid) {
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+// Runs `program` with `args` (no shell, environment_for_child()) and waits
+// for it.
+inline RunResult run_program(const std::string& program, const std::vector<std::string>& args) {
+  RunResult result;
+  int fds[2];
+  if (::pipe2(fds, O_CLOEXEC) != 0) return result;
+  const pid_t pid = start_program(program, args, fds[1]);
   ::close(fds[1]);
-  if (rc != 0) {
+  if (pid < 0) {
     ::close(fds[0]);
     result.output = "posix_spawn of " + program + " failed";
     return result;
@@ -73,10 +93,7 @@ inline RunResult run_program(const std::string& program, const std::vector<std::
     result.output.append(buffer, static_cast<size_t>(n));
   }
   ::close(fds[0]);
-  int status = 0;
-  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
-  }
-  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  result.exit_code = wait_for_exit(pid);
   return result;
 }
 
