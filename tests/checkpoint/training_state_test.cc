@@ -9,6 +9,10 @@
 // uninterrupted reference. Then the errors: a missing directory, a missing
 // item, a wrong kind or type, a checkpoint not written by
 // save_training_state, name clashes.
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -19,6 +23,7 @@
 
 #include "checkpoint/checkpoint_dir.h"
 #include "checkpoint/fsdp_state.h"
+#include "checkpoint/internal/async_save_hook.h"
 #include "checkpoint/sharded.h"
 #include "checkpoint/training_state.h"
 #include "checkpoint_test_util.h"
@@ -508,6 +513,125 @@ TEST(TrainingStateAsync, ABackgroundFailureIsRethrownByWaitAndThePreviousCheckpo
     const auto latest = ckpt::find_latest_checkpoint(root.path());
     ASSERT_TRUE(latest.has_value());
     EXPECT_EQ(latest->step, 4);
+  });
+}
+
+// Sets every local tensor of `sd` to the formula with `seed_offset`.
+void fill_formula(RankContext& ctx, fsdp::StateDict& sd, int64_t seed_offset) {
+  const fsdp::StateDict values = ckpt_test::make_state(ctx.mesh(), kShard0, seed_offset);
+  for (auto& [key, value] : sd) value.local().copy_(values.find(key)->local());
+}
+
+// The staging buffers are kept between saves and refilled by the next one.
+// The first save's write is held back (a hook) until the second save is about
+// to wait for it, so a save that refilled the buffers before that wait would
+// deterministically put the second values into the first checkpoint.
+TEST(TrainingStateAsync, ReusedStagingBuffersHoldEachSavesOwnValues) {
+  ckpt_test::SharedDir root;
+  fsdp::testing::run_distributed(3, [&](RankContext& ctx) {
+    ckpt::AsyncTrainingStateSaver saver(ctx.world()->new_group(ctx.world()->all_ranks(), c10::kCPU));
+    Fixed model(ckpt_test::make_state(ctx.mesh(), kShard0));
+    ckpt::TrainingState state;
+    state.add("model", model);
+
+    std::mutex mutex;
+    std::condition_variable cv;
+    bool second_save_waits = false;
+    ckpt::internal::set_async_save_hook_for_testing([&](ckpt::internal::AsyncSavePoint point, int64_t step) {
+      std::unique_lock<std::mutex> lock(mutex);
+      if (point == ckpt::internal::AsyncSavePoint::kBeforeWaitForPrevious && step == 2) {
+        second_save_waits = true;
+        cv.notify_all();
+      } else if (point == ckpt::internal::AsyncSavePoint::kBeforeWrite && step == 1) {
+        // Bounded only so that a save that never waits fails instead of hanging.
+        EXPECT_TRUE(cv.wait_for(lock, std::chrono::seconds(60), [&] { return second_save_waits; }));
+      }
+    });
+    const ckpt::AsyncSaveStaged first = saver.save(root.path(), 1, state);
+    EXPECT_EQ(first.reused_bytes, 0) << "a fresh saver has no buffers to reuse";
+    fill_formula(ctx, model.tensors, /*seed_offset=*/1);
+    const ckpt::AsyncSaveStaged second = saver.save(root.path(), 2, state);
+    EXPECT_EQ(second.reused_bytes, second.staged_bytes) << "the same shapes refill the first save's buffers";
+    EXPECT_GT(second.reused_bytes, 0);
+    fill_formula(ctx, model.tensors, /*seed_offset=*/2);
+    ASSERT_TRUE(saver.wait().has_value());
+    ckpt::internal::set_async_save_hook_for_testing(nullptr);
+
+    for (int64_t step : {1, 2}) {
+      Fixed loaded(ckpt_test::make_state(ctx.mesh(), kShard0, 0, /*zeros=*/true));
+      ckpt::TrainingState target;
+      target.add("model", loaded);
+      ckpt::load_training_state(root / ("step-" + std::to_string(step)), target, ctx.world_group());
+      SCOPED_TRACE("step-" + std::to_string(step));
+      ckpt_test::expect_state_equals_formula(loaded.tensors, /*seed_offset=*/step - 1);
+    }
+
+    // A state of other shapes gets new buffers, and its values.
+    const std::vector<fsdp::Placement> replicated = {fsdp::Placement::replicate()};
+    Fixed other(ckpt_test::make_state(ctx.mesh(), replicated, /*seed_offset=*/5));
+    ckpt::TrainingState reshaped;
+    reshaped.add("model", other);
+    const ckpt::AsyncSaveStaged third = saver.save(root.path(), 3, reshaped);
+    EXPECT_LT(third.reused_bytes, third.staged_bytes);
+    ASSERT_TRUE(saver.wait().has_value());
+    Fixed loaded(ckpt_test::make_state(ctx.mesh(), replicated, 0, /*zeros=*/true));
+    ckpt::TrainingState target;
+    target.add("model", loaded);
+    ckpt::load_training_state(root / "step-3", target, ctx.world_group());
+    ckpt_test::expect_state_equals_formula(loaded.tensors, /*seed_offset=*/5);
+  });
+}
+
+// Every rank process exits (std::_Exit, as a killed or crashed job would)
+// on the background thread after writing its files of step 2 and before the
+// commit. The next run finds step 1, with step 1's values, and ignores the
+// partial .tmp-step-2.
+TEST(TrainingStateAsync, AProcessThatDiesDuringTheBackgroundWriteLeavesThePreviousCheckpoint) {
+  constexpr int kDiedMidWrite = 43;
+  ckpt_test::SharedDir root;
+  fsdp::testing::DistributedTestOptions options;
+  options.world_size = 2;
+  const auto outcomes = fsdp::testing::run_distributed_collect(options, [&](RankContext& ctx) {
+    ckpt::AsyncTrainingStateSaver saver(ctx.world()->new_group(ctx.world()->all_ranks(), c10::kCPU));
+    Fixed model(ckpt_test::make_state(ctx.mesh(), kShard0));
+    int64_t step = 1;
+    ckpt::TrainingState state;
+    state.add("model", model).add_int64("step", step);
+    saver.save(root.path(), 1, state);
+    ASSERT_TRUE(saver.wait().has_value());
+
+    fill_formula(ctx, model.tensors, /*seed_offset=*/1);
+    step = 2;
+    ckpt::internal::set_async_save_hook_for_testing([](ckpt::internal::AsyncSavePoint point, int64_t at_step) {
+      if (point == ckpt::internal::AsyncSavePoint::kBeforeCommit && at_step == 2) std::_Exit(kDiedMidWrite);
+    });
+    saver.save(root.path(), 2, state);
+    saver.wait();
+    ADD_FAILURE() << "rank " << ctx.rank() << " outlived its background write";
+  });
+  if (!fsdp::testing::is_rank_process()) {
+    ASSERT_EQ(outcomes.size(), 2u);
+    for (const auto& outcome : outcomes) {
+      EXPECT_TRUE(outcome.exited && outcome.exit_code == kDiedMidWrite) << outcome.describe() << "\n" << outcome.output;
+    }
+    // The write was under way: step 2's files are there, uncommitted.
+    for (const char* shard : {"00001", "00002"}) {
+      const std::string file = std::string(".tmp-step-2/model/shard-") + shard + "-model-00001-of-00001.safetensors";
+      EXPECT_TRUE(ckpt_test::path_exists(root / file)) << file;
+    }
+    EXPECT_FALSE(ckpt_test::path_exists(root / "step-2"));
+  }
+
+  fsdp::testing::run_distributed(2, [&](RankContext& ctx) {
+    Fixed loaded(ckpt_test::make_state(ctx.mesh(), kShard0, 0, /*zeros=*/true));
+    int64_t loaded_step = 0;
+    ckpt::TrainingState target;
+    target.add("model", loaded).add_int64("step", loaded_step);
+    const auto result = ckpt::load_latest_training_state(root.path(), target, ctx.world_group());
+    ASSERT_TRUE(result.has_value());
+    EXPECT_EQ(result->step, 1);
+    EXPECT_EQ(loaded_step, 1);
+    ckpt_test::expect_state_equals_formula(loaded.tensors);
   });
 }
 

@@ -12,10 +12,15 @@
 //   hf import      import_hf: every rank reads its rows (pages dropped first)
 //   sync state     save_training_state of the same tensors (what a step
 //                  waits for without --async-save)
-//   async staged   AsyncTrainingStateSaver::save: the time the step is
-//                  blocked (the copies to host memory), and its ratio to
-//                  "sync state" (goal, issue 21: <= 0.10)
-//   async write    from save() until wait() returns: the background write
+//   async first    AsyncTrainingStateSaver::save of a fresh saver: the time
+//                  the step is blocked while the staging buffers are
+//                  allocated and paged in
+//   async staged   the same for the later saves (median of saves 2 to
+//                  kAsyncSaves), which copy into the kept buffers: what a
+//                  training run sees at every save but its first; its ratio
+//                  to "sync state" is the goal (issue 21: <= 0.10)
+//   async write    from save() until wait() returns (median of the later saves)
+// Every value changes between two saves, as training would change it.
 // and prints MiB/s and the ratio to the disk's own speed. Not a test.
 //
 //   checkpoint_bench --nproc 2 --mib 512 --dir /tmp
@@ -24,6 +29,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -181,16 +187,28 @@ int run_rank() {
   if (rank == 0) ::mkdir(states.c_str(), 0755);
   const double sync_state = timed(comm, [&] { ckpt::save_training_state(states, 1, state, comm); });
   ckpt::AsyncTrainingStateSaver saver(world->new_group(world->all_ranks(), c10::kCPU));
-  double async_staged = 0;
-  const double async_total = timed(comm, [&] {
-    async_staged = saver.save(states, 2, state).blocked_seconds;
-    saver.wait();
-  });
-  {
-    at::Tensor slowest = at::tensor({async_staged}, at::kDouble);
-    comm->all_reduce(slowest, fsdp::collectives::ReduceOp::max()).wait();
-    async_staged = slowest.item<double>();
+  ckpt::TrainingStateSaveOptions async_options;
+  async_options.keep = 2;         // the disk holds at most two of these states at a time
+  constexpr int kAsyncSaves = 6;  // five later saves: an odd count has a median
+  std::vector<double> async_blocked;
+  std::vector<double> async_total;
+  for (int i = 0; i < kAsyncSaves; ++i) {
+    for (auto& [key, value] : sd) value.local().add_(1.0f);
+    double blocked = 0;
+    async_total.push_back(timed(comm, [&] {
+      blocked = saver.save(states, 2 + i, state, async_options).blocked_seconds;
+      saver.wait();
+    }));
+    async_blocked.push_back(max_over_ranks(comm, blocked));
   }
+  const auto median_of_later = [](std::vector<double> v) {
+    v.erase(v.begin());
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  const double async_first = async_blocked.front();
+  const double async_staged = median_of_later(async_blocked);
+  const double async_write = median_of_later(async_total);
 
   if (rank == 0) {
     const double mib = static_cast<double>(bytes) / (1 << 20);
@@ -208,10 +226,13 @@ int run_rank() {
     row("hf export", export_s, disk_write);
     row("hf import", import_s, disk_read);
     row("sync state", sync_state, disk_write);
+    row("async first", async_first, disk_write);
     row("async staged", async_staged, disk_write);
-    row("async write", async_total, disk_write);
-    std::printf("async save blocks the step %.3f s = %.3f of a synchronous save (goal, issue 21: <= 0.10)\n",
-                async_staged, async_staged / sync_state);
+    row("async write", async_write, disk_write);
+    std::printf(
+        "async save blocks the step %.3f s = %.3f of a synchronous save at saves 2-%d (median; goal, issue 21: "
+        "<= 0.10); the first save %.3f s = %.3f\n",
+        async_staged, async_staged / sync_state, kAsyncSaves, async_first, async_first / sync_state);
     std::printf(
         "(x disk speed: the disk row's seconds over this row's; writes compare with disk write, reads with "
         "disk read. Reads start with the files' pages dropped from the page cache.)\n");

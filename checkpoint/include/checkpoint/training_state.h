@@ -189,7 +189,8 @@ TrainingStateSaveResult save_training_state(const std::string& root, int64_t ste
 
 // What AsyncTrainingStateSaver::save() did on the calling thread.
 struct AsyncSaveStaged {
-  int64_t staged_bytes = 0;    // host memory the staged copies hold until the write is done
+  int64_t staged_bytes = 0;    // host memory the staged copies hold (kept by the saver for the next save)
+  int64_t reused_bytes = 0;    // of those, bytes copied into buffers kept from the previous save
   double blocked_seconds = 0;  // how long save() blocked the caller (staging, and waiting for the previous save)
 };
 
@@ -197,12 +198,23 @@ struct AsyncSaveStaged {
 // that training continues while the files are written.
 //
 // save() collects every item on the calling thread (state_dict(), values,
-// generators), copies each tensor's local piece into fresh host memory
-// (tied values share one copy), and returns; a background thread then
-// writes the files and commits, exactly as save_training_state does (same
-// files, same atomic commit: a process that dies before the commit leaves
-// ROOT/.tmp-step-N and the previous checkpoint the newest complete one).
+// generators), copies each tensor's local piece into host memory (tied
+// values share one copy), and returns; a background thread then writes the
+// files and commits, exactly as save_training_state does (same files, same
+// atomic commit: a process that dies before the commit leaves
+// ROOT/.tmp-step-N and the previous checkpoint the newest complete one). The
+// files hold the values at the time save() returned.
 // At most one save is in flight: save() first waits for the previous one.
+//
+// Staging buffers are kept between saves, as PyTorch's async_save does with
+// cache_staged_state_dict: a tensor saved under the same item and key with
+// the same sizes and dtype is copied into the buffer of the previous save
+// (already paged in, so the copy runs at memory speed), any other gets a new
+// one. A buffer is reused only after the write that read it has finished (the
+// wait above). So the saver holds about one staged state of host memory
+// from the first save until it is destroyed. CUDA tensors are staged into
+// pinned memory (asynchronous copies, then one synchronisation per device
+// before save() returns).
 //
 // REQUIRES: `group` is a communicator of the saver's own, used by nothing
 // else (make it with World::new_group(world->all_ranks(), c10::kCPU) on
@@ -235,7 +247,11 @@ class AsyncTrainingStateSaver {
   bool pending() const { return in_flight_.valid(); }
 
  private:
+  struct StagingBuffers;  // training_state.cc
+
   std::shared_ptr<collectives::Communicator> group_;
+  // Read by the write in flight; touched by save() only after wait().
+  std::unique_ptr<StagingBuffers> staging_;
   std::future<TrainingStateSaveResult> in_flight_;
 };
 
