@@ -9,7 +9,7 @@ CMAKE_ARGS ?=
 export CCACHE_BASEDIR := $(CURDIR)
 export CCACHE_NOHASHDIR := 1
 
-.PHONY: all bootstrap configure build test demo format lint tidy clean sanitize gpu-check sanitize-core tsan ci
+.PHONY: all bootstrap configure build test demo format lint tidy clean sanitize gpu-check sanitize-core tsan
 
 all: build
 
@@ -94,8 +94,9 @@ sanitize-core:
 # threads: the runtime's divergence watchdog, Gloo's and c10d's worker
 # threads, the harness's. LibTorch, c10d and gloo are not instrumented: TSan
 # sees their mutexes (pthread calls are intercepted everywhere) but not their
-# memory accesses or atomics, so scripts/tsan.supp silences reports whose
-# racing frames are all theirs, each entry with its reason.
+# memory accesses or atomics (reference counts above all), so
+# scripts/tsan.supp silences the reports that involve a LibTorch frame and
+# libstdc++'s exception_ptr, each entry with its reason (docs/build.md).
 TSAN_BUILD   ?= build-tsan
 TSAN_FLAGS   ?= -fsanitize=thread -fno-omit-frame-pointer
 TSAN_TARGETS ?= collectives_distributed_test fsdp2_training_test
