@@ -99,7 +99,7 @@ sanitize-core:
 # libstdc++'s exception_ptr, each entry with its reason (docs/build.md).
 TSAN_BUILD   ?= build-tsan
 TSAN_FLAGS   ?= -fsanitize=thread -fno-omit-frame-pointer
-TSAN_TARGETS ?= collectives_distributed_test fsdp2_training_test
+TSAN_TARGETS ?= collectives_distributed_test fsdp2_training_test fsdp2_divergence_test
 TSAN_DIRS    ?= collectives fsdp2
 TSAN_ENV = TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$(CURDIR)/scripts/tsan.supp"
 tsan:
