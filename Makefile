@@ -74,8 +74,8 @@ sanitize:
 	$(SANITIZE_ENV) cmake --build $(SANITIZE_BUILD) -j $(JOBS)
 	$(SANITIZE_ENV) ctest --test-dir $(SANITIZE_BUILD) -L '$(SANITIZE_LABELS)' --output-on-failure -j $(CTEST_JOBS)
 
-# The same sanitizers over the core layers only, sized for CI (docs/build.md,
-# "Sanitizers", has its times): every collectives and device_mesh test and
+# The same sanitizers over the core layers only (docs/build.md, "Sanitizers",
+# has its times and why it is not in CI): every collectives and device_mesh test and
 # three fsdp2 binaries (the two unit ones and the end-to-end training test).
 # Builds only these targets and the libraries they need (common,
 # stream_check, collectives, device_mesh, fsdp2, testing).
