@@ -9,7 +9,7 @@ CMAKE_ARGS ?=
 export CCACHE_BASEDIR := $(CURDIR)
 export CCACHE_NOHASHDIR := 1
 
-.PHONY: all bootstrap configure build test demo format lint tidy clean sanitize gpu-check
+.PHONY: all bootstrap configure build test demo format lint tidy clean sanitize gpu-check sanitize-core tsan
 
 all: build
 
@@ -45,17 +45,68 @@ demo: build
 # UBSan stops at the first report (-fno-sanitize-recover), so a finding fails
 # the test that triggered it. The build runs with the same options because
 # gtest_discover_tests runs every test binary once to list its tests.
+# SANITIZE_OPT replaces RelWithDebInfo's -O2 -g: a sanitized translation unit
+# compiles in about half the time at -O1 -g1 (line tables only, enough for
+# the file:line of every frame in a report), and -O1 is what the sanitizers'
+# own documentation recommends (docs/build.md, "Sanitizers").
 SANITIZE_BUILD  ?= build-sanitize
 SANITIZE_FLAGS  ?= -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
+SANITIZE_OPT    ?= -O1 -g1 -DNDEBUG
 SANITIZE_LABELS ?= unit|distributed
 SANITIZE_ASAN_OPTIONS ?= detect_leaks=0:protect_shadow_gap=0:alloc_dealloc_mismatch=0
 SANITIZE_ENV = ASAN_OPTIONS=$(SANITIZE_ASAN_OPTIONS) UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+# $(call sanitized_configure,DIR,FLAGS)
+define sanitized_configure
+	cmake -S . -B $(1) $(CMAKE_ARGS) "-DCMAKE_CXX_FLAGS=$(2)" "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=$(SANITIZE_OPT)" \
+	  "-DCMAKE_EXE_LINKER_FLAGS=$(2)" "-DCMAKE_SHARED_LINKER_FLAGS=$(2)"
+endef
+# $(call sanitized_ctest,ENV,DIR,TEST-SUBDIRS): ctest in each tests/ subfolder
+# of the build, so only that layer's tests are candidates; the label filter
+# then keeps the tests of the binaries that were built (a gtest binary that
+# was not built only stands as an unlabelled <target>_NOT_BUILT test).
+define sanitized_ctest
+	set -e; for d in $(3); do $(1) ctest --test-dir $(2)/tests/$$d -L '$(SANITIZE_LABELS)' \
+	  --output-on-failure -j $(CTEST_JOBS); done
+endef
 sanitize:
 	@$(MAKE) --no-print-directory bootstrap
-	cmake -S . -B $(SANITIZE_BUILD) $(CMAKE_ARGS) "-DCMAKE_CXX_FLAGS=$(SANITIZE_FLAGS)" \
-	  "-DCMAKE_EXE_LINKER_FLAGS=$(SANITIZE_FLAGS)" "-DCMAKE_SHARED_LINKER_FLAGS=$(SANITIZE_FLAGS)"
+	$(call sanitized_configure,$(SANITIZE_BUILD),$(SANITIZE_FLAGS))
 	$(SANITIZE_ENV) cmake --build $(SANITIZE_BUILD) -j $(JOBS)
 	$(SANITIZE_ENV) ctest --test-dir $(SANITIZE_BUILD) -L '$(SANITIZE_LABELS)' --output-on-failure -j $(CTEST_JOBS)
+
+# The same sanitizers over the core layers only (docs/build.md, "Sanitizers",
+# has its times and why it is not in CI): every collectives and device_mesh test and
+# three fsdp2 binaries (the two unit ones and the end-to-end training test).
+# Builds only these targets and the libraries they need (common,
+# stream_check, collectives, device_mesh, fsdp2, testing).
+SANITIZE_CORE_TARGETS ?= collectives_unit_test flight_recorder_test collectives_distributed_test collectives_srun_test \
+                         device_mesh_unit_test device_mesh_distributed_test \
+                         fsdp2_module_call_test fsdp2_reduce_ops_test fsdp2_training_test
+SANITIZE_CORE_DIRS    ?= collectives device_mesh fsdp2
+sanitize-core:
+	@$(MAKE) --no-print-directory bootstrap
+	$(call sanitized_configure,$(SANITIZE_BUILD),$(SANITIZE_FLAGS))
+	$(SANITIZE_ENV) cmake --build $(SANITIZE_BUILD) -j $(JOBS) --target $(SANITIZE_CORE_TARGETS)
+	$(call sanitized_ctest,$(SANITIZE_ENV),$(SANITIZE_BUILD),$(SANITIZE_CORE_DIRS))
+
+# ThreadSanitizer over the multi-process collectives and fsdp2 tests, in its
+# own build directory. Every rank of these tests is a process, but each runs
+# threads: the runtime's divergence watchdog, Gloo's and c10d's worker
+# threads, the harness's. LibTorch, c10d and gloo are not instrumented: TSan
+# sees their mutexes (pthread calls are intercepted everywhere) but not their
+# memory accesses or atomics (reference counts above all), so
+# scripts/tsan.supp silences the reports that involve a LibTorch frame and
+# libstdc++'s exception_ptr, each entry with its reason (docs/build.md).
+TSAN_BUILD   ?= build-tsan
+TSAN_FLAGS   ?= -fsanitize=thread -fno-omit-frame-pointer
+TSAN_TARGETS ?= collectives_distributed_test fsdp2_training_test fsdp2_divergence_test
+TSAN_DIRS    ?= collectives fsdp2
+TSAN_ENV = TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$(CURDIR)/scripts/tsan.supp"
+tsan:
+	@$(MAKE) --no-print-directory bootstrap
+	$(call sanitized_configure,$(TSAN_BUILD),$(TSAN_FLAGS))
+	$(TSAN_ENV) cmake --build $(TSAN_BUILD) -j $(JOBS) --target $(TSAN_TARGETS)
+	$(call sanitized_ctest,$(TSAN_ENV),$(TSAN_BUILD),$(TSAN_DIRS))
 
 # Builds with CUDA on, runs the `gpu` tests and the GPU benchmarks, prints one
 # report (scripts/gpu_check.sh, docs/gpu.md). Fails clearly without a GPU.
