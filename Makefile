@@ -75,7 +75,7 @@ sanitize:
 	$(SANITIZE_ENV) ctest --test-dir $(SANITIZE_BUILD) -L '$(SANITIZE_LABELS)' --output-on-failure -j $(CTEST_JOBS)
 
 # The same sanitizers over the core layers only (docs/build.md, "Sanitizers",
-# has its times and why it is not in CI): every collectives and device_mesh test and
+# has its times; .ci/run runs it after make test when time allows): every collectives and device_mesh test and
 # three fsdp2 binaries (the two unit ones and the end-to-end training test).
 # Builds only these targets and the libraries they need (common,
 # stream_check, collectives, device_mesh, fsdp2, testing).
