@@ -169,6 +169,9 @@ void Profiler::stop_and_save(int64_t last_step) {
   }
   path += ".json";
   result->save(path);
+  // ProfilerResult::save does not say whether the write succeeded.
+  TORCH_CHECK(std::filesystem::exists(path), "fsdp::Profiler: the trace of steps ", cycle_first_step_, "..", last_step,
+              " was not written to '", path, "'");
   written_.push_back(std::move(path));
 }
 
