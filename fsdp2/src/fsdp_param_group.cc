@@ -1,5 +1,6 @@
 #include "fsdp_param_group.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 
@@ -11,6 +12,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include "fsdp_common/logging.h"
+#include "fsdp_state.h"
 #include "phase.h"
 #include "stream_check/stream_check.h"
 
@@ -62,15 +64,35 @@ void FSDPCommContext::release_all_gather_state() {
   last_all_gather_output = at::Tensor();
 }
 
-void FSDPCommContext::wait_for_last_reduce_scatter() {
-  if (pending_reduce_group != nullptr) pending_reduce_group->wait_for_post_backward();
-  if (reduce_scatter_input.defined()) {
+void FSDPCommContext::wait_for_reduce_scatters(size_t keep) {
+  while (reduce_scatter_states.size() > keep) {
+    ReduceScatterState oldest = std::move(reduce_scatter_states.front());
+    reduce_scatter_states.pop_front();
+    if (oldest.group != nullptr) oldest.group->wait_for_post_backward();
     // The input was made on the current stream; once that stream has waited
     // for the collective, the allocator may reuse it there.
-    reduce_scatter_done.block(streams.current_stream());
-    reduce_scatter_done = DeviceEvent();
-    reduce_scatter_input = at::Tensor();
+    oldest.done.block(streams.current_stream());
   }
+}
+
+void FSDPCommContext::forget_reduce_scatter(const FSDPParamGroup* group) {
+  for (auto it = reduce_scatter_states.begin(); it != reduce_scatter_states.end(); ++it) {
+    if (it->group == group) {
+      reduce_scatter_states.erase(it);
+      return;
+    }
+  }
+}
+
+int FSDPCommContext::max_input_buffers() {
+  if (max_input_buffers_ > 0) return max_input_buffers_;
+  int result = 1;
+  for (const auto& w : states) {
+    auto s = w.lock();
+    if (s && s->group()) result = std::max(result, s->group()->settings().reduce_scatter_max_input_buffers);
+  }
+  max_input_buffers_ = result;
+  return result;
 }
 
 ReduceOps gradient_reduce_ops(int64_t shard_size, int64_t replicate_size, c10::ScalarType reduce_dtype,
@@ -483,49 +505,50 @@ ReduceOps FSDPParamGroup::reduce_ops() const {
 
 void FSDPParamGroup::post_backward() {
   PhaseScope phase(phase_labels_[Phase::kPostBackward]);
+  // The end of backward runs post-backward again for groups still unsharded;
+  // unused parameters are reduced once per backward.
+  const bool reduce_unused = settings_.reduce_scatter_unused_params && training_state_ != TrainingState::kPostBackward;
   training_state_ = TrainingState::kPostBackward;
   std::vector<FSDPParam*> params_with_grad;
   std::vector<at::Tensor> grads;
-  if (is_unsharded()) {
+  const bool unsharded = is_unsharded();
+  // A sharded group has no gradient to reduce (autograd cannot have
+  // accumulated into its sharded parameters), except:
+  // - pytorch#137922: parameters not unsharded in backward may still get a
+  //   gradient (an embedding's needs only the indices); autograd put it,
+  //   full-shape, on the sharded parameter. It is reduced like any other.
+  // - set_reduce_scatter_unused_params: a group whose backward did not run
+  //   on this rank reduces zeros, as the ranks where it ran reduce
+  //   gradients.
+  if (unsharded || !settings_.unshard_in_backward || reduce_unused) {
     if (!settings_.reduce_grads) {
       for (const auto& p : params_) p->accumulate_unsharded_grad(p->take_autograd_grad(), reduce_dtype_);
-      if (settings_.reshard_after_backward) to_sharded();
+      if (unsharded && settings_.reshard_after_backward) to_sharded();
       return;
     }
     for (const auto& p : params_) {
       at::Tensor g = p->take_unsharded_grad(p->take_autograd_grad());
-      if (!g.defined()) continue;
-      TORCH_CHECK(g.sizes() == c10::IntArrayRef(p->unsharded_shape()), "fsdp2: parameter '", p->fqn(),
+      if (!g.defined()) {
+        // Every rank then reduces the same parameters, whatever its control
+        // flow used (FSDP2's unsharded_zero_grad_data, in the dtype autograd
+        // would have produced).
+        if (!reduce_unused || !p->param().requires_grad()) continue;
+        g = at::zeros(p->unsharded_shape(), at::TensorOptions().dtype(param_dtype_).device(device_));
+      }
+      TORCH_CHECK(!unsharded || g.sizes() == c10::IntArrayRef(p->unsharded_shape()), "fsdp2: parameter '", p->fqn(),
                   "' has a gradient of shape ", g.sizes(), " at the end of its backward, expected ",
                   c10::IntArrayRef(p->unsharded_shape()),
                   ". Was the module called around its hooks (not through fsdp::call_module)?");
       params_with_grad.push_back(p.get());
       grads.push_back(std::move(g));
     }
-    if (settings_.reshard_after_backward) to_sharded();
-  } else if (!settings_.unshard_in_backward) {
-    // pytorch#137922: parameters not unsharded in backward may still get a
-    // gradient (an embedding's needs only the indices); autograd put it,
-    // full-shape, on the sharded parameter. It is reduced like any other.
-    for (const auto& p : params_) {
-      at::Tensor g = p->take_autograd_grad();
-      if (!settings_.reduce_grads) {
-        p->accumulate_unsharded_grad(std::move(g), reduce_dtype_);
-        continue;
-      }
-      g = p->take_unsharded_grad(std::move(g));
-      if (!g.defined()) continue;
-      params_with_grad.push_back(p.get());
-      grads.push_back(std::move(g));
-    }
+    if (unsharded && settings_.reshard_after_backward) to_sharded();
   }
-  // Otherwise the group is sharded: autograd cannot have accumulated into
-  // its sharded parameters (their .grad, if any, is sharded already).
   if (grads.empty()) return;
 
   PhaseScope reduce_phase(phase_labels_[Phase::kPostBackwardReduce]);
   // See [Note: bounded reductions].
-  comm_ctx_->wait_for_last_reduce_scatter();
+  comm_ctx_->wait_for_reduce_scatters(static_cast<size_t>(comm_ctx_->max_input_buffers() - 1));
   wait_for_post_backward();
   const StreamSet& streams = comm_ctx_->streams;
   const ReduceOps ops = reduce_ops();
@@ -575,14 +598,15 @@ void FSDPParamGroup::post_backward() {
                        describe_reduce(ops.reduce_scatter, shard_comm_->backend_kind(), world) + " in " +
                        c10::toString(reduce_dtype_) + ", " + std::to_string(total) + " elements per rank");
     PhaseScope rs_phase(phase_labels_[Phase::kReduceScatter]);
-    work = shard_comm_->reduce_scatter_tensor(output, input.view({-1}), ops.reduce_scatter);
+    const auto& rs_comm = settings_.reduce_scatter_comm ? settings_.reduce_scatter_comm : shard_comm_;
+    work = rs_comm->reduce_scatter_tensor(output, input.view({-1}), ops.reduce_scatter);
   }
   comm_ctx_->stats.reduce_scatters += 1;
   comm_ctx_->stats.reduce_scatter_bytes += input.numel() * static_cast<int64_t>(input.element_size());
-  comm_ctx_->reduce_scatter_input = std::move(input);
   pending_reduce_ = PendingReduce{std::move(work), std::move(output), std::move(params_with_grad),
                                   ops.all_reduce,  ops.post_divide,   settings_.all_reduce_grads,
                                   rs_stream};
+  FSDPCommContext::ReduceScatterState state{std::move(input)};
   if (streams.enabled()) {
     // Completing it only enqueues work on the reduction streams. The event
     // that frees the input is recorded after it: only then has the
@@ -591,13 +615,14 @@ void FSDPParamGroup::post_backward() {
     // collective. Recorded before, it let the next group free the input
     // while NCCL could still read it.
     wait_for_post_backward();
-    comm_ctx_->reduce_scatter_done = DeviceEvent::record(rs_stream);
+    state.done = DeviceEvent::record(rs_stream);
   } else {
     // On CPU the reduce-scatter runs on Gloo's threads while backward goes
-    // on; it is completed before the next group's is issued, or at the end of
-    // backward.
-    comm_ctx_->pending_reduce_group = this;
+    // on; it is completed before a later group's is issued (see [Note:
+    // bounded reductions]), or at the end of backward.
+    state.group = this;
   }
+  comm_ctx_->reduce_scatter_states.push_back(std::move(state));
 }
 
 void FSDPParamGroup::reduce_in_place(std::vector<FSDPParam*>& params, std::vector<at::Tensor>& grads,
@@ -646,7 +671,6 @@ void FSDPParamGroup::wait_for_post_backward() {
   if (!pending_reduce_) return;
   PendingReduce pending = std::move(*pending_reduce_);
   pending_reduce_.reset();
-  if (comm_ctx_->pending_reduce_group == this) comm_ctx_->pending_reduce_group = nullptr;
   // The reduced chunks become .grad, used on the caller's stream (optimizer).
   const std::optional<c10::Stream> caller = comm_ctx_->streams.current_stream();
   StreamSet::record_stream(pending.output, caller);
@@ -655,6 +679,8 @@ void FSDPParamGroup::wait_for_post_backward() {
   pending.work.wait();
   comm_ctx_->stats.reduce_scatter_wait_seconds +=
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  // CPU: its input may go now that the collective read it.
+  if (!comm_ctx_->streams.enabled()) comm_ctx_->forget_reduce_scatter(this);
   c10::NoGradGuard no_grad;
   if (replicate_comm_) {
     if (!pending.all_reduce) {
@@ -743,7 +769,7 @@ void FSDPParamGroup::reset_iter_state() {
   wait_for_offload_copies();
   if (pending_reduce_) wait_quietly(pending_reduce_->work);
   pending_reduce_.reset();
-  if (comm_ctx_ != nullptr && comm_ctx_->pending_reduce_group == this) comm_ctx_->pending_reduce_group = nullptr;
+  if (comm_ctx_ != nullptr) comm_ctx_->forget_reduce_scatter(this);
   partial_reduce_output_ = at::Tensor();
   for (const auto& p : params_) {
     // Unreduced gradients of the failed step.

@@ -3,6 +3,7 @@
 // FSDPParamGroup), and FSDPCommContext, what the groups under one root share.
 #pragma once
 
+#include <deque>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -25,6 +26,7 @@ namespace fsdp::detail {
 enum class TrainingState { kIdle, kForward, kPreBackward, kPostBackward };
 
 class FSDPParamGroup;
+class FSDPState;
 
 // Shared by all groups under one root (FSDP2's FSDPCommContext).
 struct FSDPCommContext {
@@ -66,19 +68,40 @@ struct FSDPCommContext {
   // frees its all-gather output. No-op when none is held.
   void release_all_gather_state();
 
-  // [Note: bounded reductions] At most two groups' unreduced gradients are
-  // alive: the group in post-backward and the one before it. CUDA (FSDP2's
-  // reduce_scatter_state): the reduce-scatter input is made from the
-  // gradients on the current stream, which then waits for the previous
-  // reduce-scatter before the next copy-in, and the previous input is freed
-  // at that point. Gloo: the previous group's reduce-scatter is completed
-  // (waited, its input freed) before the next one is issued.
-  at::Tensor reduce_scatter_input;
-  DeviceEvent reduce_scatter_done;
-  FSDPParamGroup* pending_reduce_group = nullptr;  // CPU: the one not yet completed
-  // Waits (host on CPU, current stream on CUDA) for the last reduce-scatter
-  // issued and frees its input.
-  void wait_for_last_reduce_scatter();
+  // [Note: bounded reductions] At most K + 1 groups' unreduced gradients are
+  // alive: the group in post-backward and the K before it, K being
+  // set_reduce_scatter_max_input_buffers (1 by default, FSDP2's "cap-K").
+  // CUDA (FSDP2's reduce_scatter_states): the reduce-scatter input is made
+  // from the gradients on the current stream; before the next group's
+  // copy-in, while K inputs are kept, the current stream waits for the
+  // oldest one's reduce-scatter and that input is freed. A larger K lets the
+  // copy-in take a fresh block instead of waiting for an exposed
+  // reduce-scatter, at the price of K inputs of memory. Gloo: the oldest
+  // group's reduce-scatter is completed (waited, divided, its gradients
+  // set, its input freed) before the next one is issued.
+  struct ReduceScatterState {
+    at::Tensor input;
+    DeviceEvent done;                 // CUDA: on the reduce-scatter stream, after the collective
+    FSDPParamGroup* group = nullptr;  // CPU: the group whose reduce-scatter is not completed yet
+  };
+  std::deque<ReduceScatterState> reduce_scatter_states;
+  // Completes the oldest reduce-scatters (waits on the host on CPU, makes
+  // the current stream wait on CUDA) and frees their inputs until at most
+  // `keep` remain.
+  void wait_for_reduce_scatters(size_t keep);
+  void wait_for_last_reduce_scatter() { wait_for_reduce_scatters(0); }
+  // Drops `group`'s entry once its reduce-scatter was completed elsewhere.
+  void forget_reduce_scatter(const FSDPParamGroup* group);
+  // Every state of the trees sharing this context (one root's, or several
+  // after share_comm_ctx), for the effective K: the largest of their
+  // groups' settings, as FSDP2 resolves it (a group with a smaller K must
+  // not undo another's retention). Cached until a setting changes.
+  std::vector<std::weak_ptr<FSDPState>> states;
+  int max_input_buffers();
+  void invalidate_max_input_buffers() { max_input_buffers_ = 0; }
+
+ private:
+  int max_input_buffers_ = 0;  // 0: to be computed
 };
 
 // An issued all-gather.
@@ -115,6 +138,14 @@ struct GroupSettings {
   bool force_sum_reduction = false;
   std::function<void(at::Tensor&)> reduced_grad_hook;
   std::optional<c10::Stream> reduced_grad_hook_stream;
+  // set_reduce_scatter_unused_params: parameters that require a gradient and
+  // got none in this backward are reduced as zeros.
+  bool reduce_scatter_unused_params = false;
+  // set_reduce_scatter_max_input_buffers (see [Note: bounded reductions]).
+  int reduce_scatter_max_input_buffers = 1;
+  // set_separate_reduce_scatter_group: the communicator of the
+  // reduce-scatter, over the shard group's ranks; null: the shard group's.
+  std::shared_ptr<collectives::Communicator> reduce_scatter_comm;
 };
 
 // How a group's gradients are reduced (FSDP2's _get_gradient_divide_factors):
@@ -169,6 +200,12 @@ class FSDPParamGroup {
   // Set at the root's lazy init.
   void lazy_init(FSDPCommContext* comm_ctx, std::string module_fqn);
   bool initialized() const { return comm_ctx_ != nullptr; }
+  // share_comm_ctx: the context of the roots this group's root now shares.
+  void set_comm_context(FSDPCommContext* comm_ctx) { comm_ctx_ = comm_ctx; }
+  FSDPCommContext* comm_context() const { return comm_ctx_; }
+  // The communicator of the shard mesh dim (all-gather and, unless
+  // separated, reduce-scatter).
+  const std::shared_ptr<collectives::Communicator>& shard_comm() const { return shard_comm_; }
   const std::string& module_fqn() const { return module_fqn_; }
   const std::vector<std::unique_ptr<FSDPParam>>& params() const { return params_; }
   GroupSettings& settings() { return settings_; }

@@ -76,7 +76,9 @@ void FSDPState::lazy_init() {
                 "first forward, and call that ancestor.");
   }
   is_root_ = true;
-  ctx_ = std::make_shared<FSDPStateContext>(device_);
+  ctx_ =
+      std::make_shared<FSDPStateContext>(comm_ctx_ ? std::move(comm_ctx_) : std::make_shared<FSDPCommContext>(device_));
+  comm_ctx_ = nullptr;
   // A state of several modules is met once per module; it is listed once,
   // named by its modules' FQNs.
   std::unordered_map<const torch::nn::Module*, std::string> module_fqns;
@@ -127,14 +129,16 @@ void FSDPState::lazy_init() {
         const std::string& owner_fqn = module_fqns.at(group_modules.at(owner).get());
         params[i]->set_fqn(owner_fqn.empty() ? name : owner_fqn + "." + name);
       }
-      state->group_->lazy_init(&ctx_->comm, state->fqn_);
+      state->group_->lazy_init(ctx_->comm.get(), state->fqn_);
       continue;
     }
     for (const auto& p : params) {
       if (p->fqn().rfind(prefix, 0) != 0) p->set_fqn(prefix + p->fqn());
     }
-    state->group_->lazy_init(&ctx_->comm, state->fqn_);
+    state->group_->lazy_init(ctx_->comm.get(), state->fqn_);
   }
+  ctx_->comm->states.insert(ctx_->comm->states.end(), ctx_->all_states.begin(), ctx_->all_states.end());
+  ctx_->comm->invalidate_max_input_buffers();
   check_ranks_hold_the_same_model();
 }
 
@@ -205,7 +209,7 @@ void FSDPState::pre_forward(TensorRefs& inputs) {
         ctx_->forward_prefetched.push_back(target);
       }
     }
-  } else if (group_ && !ctx_->comm.streams.enabled()) {
+  } else if (group_ && !ctx_->comm->streams.enabled()) {
     implicit_forward_prefetch(ctx_->forward_order.size());
   }
   if (group_) ctx_->forward_order.push_back(weak_from_this());
@@ -261,7 +265,7 @@ void FSDPState::root_pre_forward(TensorRefs& inputs) {
   // Left by a forward that did not reach the root's post-forward.
   discard_unused_forward_prefetches();
   ctx_->forward_order.clear();
-  StreamSet& streams = ctx_->comm.streams;
+  StreamSet& streams = ctx_->comm->streams;
   if (streams.enabled()) {
     // The next all-gathers read the shards the optimizer just updated. The
     // event is the root's, whichever module runs first.
@@ -314,7 +318,7 @@ void FSDPState::post_forward(TensorRefs& outputs) {
     ctx_->forward_order.clear();
     // The last all-gather output is not needed through the loss and the
     // optimizer step (FSDP2 frees it here too).
-    ctx_->comm.release_all_gather_state();
+    ctx_->comm->release_all_gather_state();
     ctx_->iter_forward_root = nullptr;
     check_no_call_around_hooks();
     if (*is_root_ && c10::GradMode::is_enabled()) after_root_forward_with_grad();
@@ -575,7 +579,7 @@ void FSDPState::register_final_callback() {
   warn_if_several_roots();
   // Backward starts: a forward that ended outside the root's post-forward
   // (several roots' outputs, an exception) may have left it.
-  ctx_->comm.release_all_gather_state();
+  ctx_->comm->release_all_gather_state();
   std::shared_ptr<FSDPState> root;
   for (const auto& w : ctx_->all_states) {
     if (auto s = w.lock(); s && s->is_root_.value_or(false)) root = s;
@@ -595,7 +599,13 @@ void FSDPState::root_post_backward_final_callback() {
     auto s = w.lock();
     if (!s) continue;
     FSDPParamGroup* g = s->group_.get();
-    if (g && (g->is_unsharded() || !g->settings().unshard_in_backward)) g->post_backward();
+    // set_reduce_scatter_unused_params: a group that backward did not reach
+    // on this rank reduces zeros, as FSDP2's callback runs every group's
+    // post-backward.
+    if (g && (g->is_unsharded() || !g->settings().unshard_in_backward ||
+              (g->settings().reduce_scatter_unused_params && g->training_state() != TrainingState::kPostBackward))) {
+      g->post_backward();
+    }
     s->training_state_ = TrainingState::kIdle;
     if (g) g->set_training_state(TrainingState::kIdle);
   }
@@ -612,8 +622,41 @@ void FSDPState::root_post_backward_final_callback() {
     // Without gradient sync it stays unsharded for the next micro-batch.
     if (g->is_unsharded() && g->settings().reduce_grads) g->reshard();
   }
-  ctx_->comm.wait_for_last_reduce_scatter();
-  ctx_->comm.post_forward_order.clear();
+  ctx_->comm->wait_for_last_reduce_scatter();
+  ctx_->comm->post_forward_order.clear();
+}
+
+std::shared_ptr<FSDPCommContext> FSDPState::comm_context() {
+  if (ctx_) return ctx_->comm;
+  if (!comm_ctx_) comm_ctx_ = std::make_shared<FSDPCommContext>(device_);
+  return comm_ctx_;
+}
+
+void FSDPState::adopt_comm_context(const std::shared_ptr<FSDPCommContext>& comm_ctx) {
+  if (!ctx_) {
+    comm_ctx_ = comm_ctx;
+    return;
+  }
+  if (ctx_->comm == comm_ctx) return;
+  // Buffers in flight and unsharded parameters were made on the old
+  // context's streams and are released against its events.
+  const FSDPCommContext& old = *ctx_->comm;
+  bool idle = ctx_->iter_forward_root == nullptr && !ctx_->post_backward_final_callback_queued &&
+              old.reduce_scatter_states.empty() && !old.last_all_gather_output.defined();
+  for (const auto& w : ctx_->all_states) {
+    auto s = w.lock();
+    if (s && s->group_) idle = idle && s->group_->is_sharded() && !s->group_->has_pending_all_gather();
+  }
+  TORCH_CHECK(idle, "share_comm_ctx: the root '", fqn_.empty() ? module()->name() : fqn_,
+              "' is in the middle of a forward or backward; share contexts between iterations (before the first "
+              "forward, or after the optimizer step)");
+  ctx_->comm = comm_ctx;
+  for (const auto& w : ctx_->all_states) {
+    auto s = w.lock();
+    if (s && s->group_) s->group_->set_comm_context(comm_ctx.get());
+  }
+  comm_ctx->states.insert(comm_ctx->states.end(), ctx_->all_states.begin(), ctx_->all_states.end());
+  comm_ctx->invalidate_max_input_buffers();
 }
 
 void FSDPState::reset_iter_state() {
@@ -625,10 +668,9 @@ void FSDPState::reset_iter_state() {
     s->modules_to_run_.clear();
     if (s->group_) s->group_->reset_iter_state();
   }
-  ctx_->comm.release_all_gather_state();
-  ctx_->comm.wait_for_last_reduce_scatter();
-  ctx_->comm.pending_reduce_group = nullptr;
-  ctx_->comm.post_forward_order.clear();
+  ctx_->comm->release_all_gather_state();
+  ctx_->comm->wait_for_last_reduce_scatter();
+  ctx_->comm->post_forward_order.clear();
   ctx_->iter_forward_root = nullptr;
   ctx_->post_backward_final_callback_queued = false;
   // The groups' reset waited for their prefetched all-gathers.

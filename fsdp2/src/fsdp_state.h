@@ -28,12 +28,13 @@ class FSDPState;
 // Shared by every state under one root (FSDP2's FSDPStateContext +
 // FSDPCommContext).
 struct FSDPStateContext {
-  explicit FSDPStateContext(c10::Device device) : comm(device) {}
+  explicit FSDPStateContext(std::shared_ptr<FSDPCommContext> comm_ctx) : comm(std::move(comm_ctx)) {}
   // Every state under the root, the root first, in module pre-order.
   std::vector<std::weak_ptr<FSDPState>> all_states;
   FSDPState* iter_forward_root = nullptr;
   bool post_backward_final_callback_queued = false;
-  FSDPCommContext comm;
+  // This root's own, or the one it shares with other roots (share_comm_ctx).
+  std::shared_ptr<FSDPCommContext> comm;
   // [Note: implicit forward prefetch] On CPU (Gloo) the host computes, so no
   // all-gather runs ahead of it unless issued early: at a state's
   // pre-forward, after its own all-gather was waited for, the runtime issues
@@ -107,6 +108,13 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   bool initialized() const { return ctx_ != nullptr; }
   // Shared by the tree under this state's root; null before lazy init.
   FSDPStateContext* context() const { return ctx_.get(); }
+  // share_comm_ctx: the communication context of this root's tree, made now
+  // when lazy init has not made it yet (a root may share it before its
+  // first forward).
+  std::shared_ptr<FSDPCommContext> comm_context();
+  // share_comm_ctx: this root's tree uses `comm_ctx` from now on. REQUIRES:
+  // a root, on comm_ctx's device, between iterations.
+  void adopt_comm_context(const std::shared_ptr<FSDPCommContext>& comm_ctx);
 
   // FSDPModule settings.
   std::vector<std::weak_ptr<FSDPState>> forward_prefetch;
@@ -173,6 +181,8 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   std::weak_ptr<FSDPState> parent_;
   std::optional<bool> is_root_;
   std::shared_ptr<FSDPStateContext> ctx_;
+  // A root's communication context before lazy init moves it into ctx_.
+  std::shared_ptr<FSDPCommContext> comm_ctx_;
   TrainingState training_state_ = TrainingState::kIdle;
   std::string fqn_;
   // The root's parameters' AccumulateGrad nodes at the end of its last

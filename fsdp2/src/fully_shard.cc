@@ -1,5 +1,6 @@
 #include "fsdp2/fully_shard.h"
 
+#include <map>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -7,6 +8,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 
+#include "collectives/world.h"
 #include "fsdp2/module_state.h"
 #include "fsdp_state.h"
 
@@ -519,17 +521,72 @@ void FSDPModule::set_all_reduce_hook(std::function<void(at::Tensor&)> hook, std:
   g->settings().reduced_grad_hook_stream = stream;
 }
 
+void FSDPModule::set_reduce_scatter_unused_params(bool reduce_scatter_unused_params, bool recurse) {
+  for_each_state(state_, recurse, [&](FSDPState& s) {
+    if (s.group()) s.group()->settings().reduce_scatter_unused_params = reduce_scatter_unused_params;
+  });
+}
+
+void FSDPModule::set_reduce_scatter_max_input_buffers(int max_input_buffers, bool recurse) {
+  TORCH_CHECK(max_input_buffers >= 1, "set_reduce_scatter_max_input_buffers: module '", state_->module()->name(),
+              "': max_input_buffers must be at least 1 (1 is the default: one reduce-scatter in flight), got ",
+              max_input_buffers);
+  for_each_state(state_, recurse, [&](FSDPState& s) {
+    if (s.group()) s.group()->settings().reduce_scatter_max_input_buffers = max_input_buffers;
+  });
+  if (auto* ctx = state_->context()) ctx->comm->invalidate_max_input_buffers();
+}
+
+void FSDPModule::set_separate_reduce_scatter_group(bool enable, bool recurse) {
+  // One communicator per distinct set of shard ranks in this call, as
+  // FSDP2: every module sharded over the same ranks uses the same one.
+  std::map<std::vector<int>, std::shared_ptr<collectives::Communicator>> made;
+  for_each_state(state_, recurse, [&](FSDPState& s) {
+    auto* g = s.group();
+    if (!g) return;
+    std::shared_ptr<collectives::Communicator>& rs_comm = g->settings().reduce_scatter_comm;
+    if (!enable || g->shard_comm()->size() == 1) {
+      rs_comm = nullptr;
+      return;
+    }
+    const std::vector<int>& ranks = g->shard_comm()->global_ranks();
+    auto it = made.find(ranks);
+    if (it == made.end()) {
+      // A module that has one keeps it (no new communicator, the same on
+      // every rank since every rank made the same calls).
+      it = made.emplace(ranks, rs_comm ? rs_comm : s.mesh().world()->new_group(ranks, g->shard_comm()->device_type()))
+               .first;
+    }
+    rs_comm = it->second;
+  });
+}
+
+void share_comm_ctx(const std::vector<FSDPModule>& modules) {
+  if (modules.empty()) return;
+  for (const auto& m : modules) {
+    const auto& s = m.state();
+    TORCH_CHECK(s->parent() == nullptr, "share_comm_ctx: module '", s->module()->name(),
+                "' is inside the sharded module '", s->top()->module()->name(),
+                "'; pass the roots (e.g. each pipeline stage's model chunk), whose trees then share the context");
+    TORCH_CHECK(s->device() == modules.front().state()->device(), "share_comm_ctx: module '", s->module()->name(),
+                "' is sharded on ", s->device(), " but '", modules.front().state()->module()->name(), "' on ",
+                modules.front().state()->device(), "; only roots on one device can share streams");
+  }
+  const std::shared_ptr<detail::FSDPCommContext> comm_ctx = modules.front().state()->comm_context();
+  for (size_t i = 1; i < modules.size(); ++i) modules[i].state()->adopt_comm_context(comm_ctx);
+}
+
 void FSDPModule::reset_iter_state() { state_->top()->reset_iter_state(); }
 
 void FSDPModule::set_is_last_backward(bool is_last_backward) { state_->top()->is_last_backward = is_last_backward; }
 
 RuntimeStats FSDPModule::runtime_stats() const {
   auto* ctx = state_->context();
-  return ctx ? ctx->comm.stats : RuntimeStats{};
+  return ctx ? ctx->comm->stats : RuntimeStats{};
 }
 
 void FSDPModule::reset_runtime_stats() {
-  if (auto* ctx = state_->context()) ctx->comm.stats = RuntimeStats{};
+  if (auto* ctx = state_->context()) ctx->comm->stats = RuntimeStats{};
 }
 
 int64_t FSDPModule::unsharded_bytes() const { return state_->group() ? state_->group()->unsharded_storage_bytes() : 0; }

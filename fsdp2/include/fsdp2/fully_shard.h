@@ -327,6 +327,46 @@ class FSDPModule {
   // skips the end-of-backward waits that only the last backward needs).
   void set_is_last_backward(bool is_last_backward);
 
+  // Whether backward reduces zeros for the parameters that require a
+  // gradient and got none (FSDP2 2.13's set_reduce_scatter_unused_params,
+  // like DDP's find_unused_parameters): needed when ranks take different
+  // control flow (mixture of experts, multi-modal batches), so that every
+  // rank still reduce-scatters the same parameters. Such parameters then get
+  // a gradient (zeros, or the other ranks' average) instead of none. A group
+  // that backward did not reach at all on this rank reduces zeros at the end
+  // of backward, as FSDP2 does; that keeps the ranks' collectives in step
+  // only where the ranks that did reach it also reduce it at the end (its
+  // inputs need no gradient, as the root's) and need no all-gather for it
+  // (reshard_after_forward false), since its forward ran on every rank.
+  // Default false: parameters without a gradient on every rank are left out
+  // of the reduction, and ranks whose control flow differs issue
+  // reduce-scatters of different sizes, which the collectives report as a
+  // mismatch naming both. Set it on every rank.
+  void set_reduce_scatter_unused_params(bool reduce_scatter_unused_params, bool recurse = true);
+  // How many reduce-scatter inputs (the buffer each group's unreduced
+  // gradients are copied into) may be in flight at once in backward (FSDP2
+  // 2.13's set_reduce_scatter_max_input_buffers). Default 1: before a group
+  // copies its gradients in, the previous group's reduce-scatter is waited
+  // for (on CUDA: the compute stream waits), so at most two groups'
+  // unreduced gradients are alive. A larger value lets backward go on past
+  // reduce-scatters that communication has not finished yet (when they are
+  // exposed), at the price of that many inputs' memory. The largest value
+  // among the modules under the root (or the roots sharing a context, see
+  // share_comm_ctx) applies to all, as in FSDP2. Throws when
+  // `max_input_buffers` < 1.
+  void set_reduce_scatter_max_input_buffers(int max_input_buffers, bool recurse = true);
+  // Gives the reduce-scatter a communicator of its own over the shard
+  // group's ranks (FSDP2 2.13's set_separate_reduce_scatter_group), so that
+  // a backward's reduce-scatter and the next group's all-gather progress
+  // concurrently instead of one after the other on one communicator (NCCL
+  // runs one collective at a time per communicator; Gloo one per group).
+  // Modules whose shard groups have the same ranks share one new
+  // communicator per call; a module that has one keeps it. false goes back
+  // to the shard group's communicator. Collective over each shard group: call
+  // it on every rank, in the same order, between iterations. A shard group of
+  // one rank has no reduce-scatter to overlap and gets no communicator.
+  void set_separate_reduce_scatter_group(bool enable = true, bool recurse = true);
+
   // Recovers the whole FSDP tree this module belongs to after an exception
   // thrown mid-step (in a forward, the loss or backward): completes the
   // collectives in flight, reshards every module, drops the gradients of the
@@ -419,6 +459,18 @@ FSDPModule fully_shard(const std::vector<Holder>& modules, const FullyShardOptio
   for (const auto& m : modules) impls.push_back(m.is_empty() ? nullptr : m.ptr());
   return fully_shard(impls, options);
 }
+
+// Makes several roots share one communication context (FSDP2's
+// share_comm_ctx): the runtime's streams, the all-gather and reduce-scatter
+// buffers in flight, and RuntimeStats (each root's runtime_stats() then
+// counts them all). For pipeline parallelism, where each stage's model chunk
+// is its own root: one set of streams instead of one per chunk avoids
+// fragmenting the caching allocator between them. The first module's context
+// is kept; the others adopt it. REQUIRES: every module is a root (no sharded
+// module contains it) on the same device, and none is in the middle of a
+// forward or backward. Throws naming the module otherwise. An empty list does
+// nothing.
+void share_comm_ctx(const std::vector<FSDPModule>& modules);
 
 // The FSDPModule of `module`, or std::nullopt when fully_shard was not
 // applied to it.
