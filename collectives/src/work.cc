@@ -87,6 +87,20 @@ void Work::wait(std::chrono::milliseconds timeout) {
   if (finish_) finish_();
 }
 
+void Work::then(std::function<void()> step) {
+  TORCH_CHECK(!waited_, "fsdp2cpp: ", description_.empty() ? std::string("a completed work") : description_,
+              " was already waited for; add finishing steps before wait()");
+  if (!step) return;
+  if (!finish_) {
+    finish_ = std::move(step);
+    return;
+  }
+  finish_ = [first = std::move(finish_), second = std::move(step)] {
+    first();
+    second();
+  };
+}
+
 bool Work::wait_watched(std::chrono::milliseconds timeout) {
   const std::chrono::milliseconds threshold = monitor_ ? monitor_->options().timeout : std::chrono::milliseconds(0);
   // A caller that gives a timeout bounds the wait itself (a checkpoint's
