@@ -263,6 +263,7 @@ void FSDPParamGroup::unshard(bool async_op) {
   AllGatherResult result;
   result.async_op = async_op;
   result.separate_input = input.defined() && !input.is_alias_of(output) && !from_post_forward;
+  if (custom_all_gather_) result.custom_input = input;
   result.copy_in_done = DeviceEvent::record(copy_in_stream);
   if (offload_to_cpu_) offload_copy_in_done_ = result.copy_in_done;
   result.all_gather_stream = all_gather_stream;

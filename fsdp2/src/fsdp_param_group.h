@@ -91,6 +91,10 @@ struct AllGatherResult {
   bool async_op = false;
   // The input is a buffer of its own, made on the copy-in stream (Gloo).
   bool separate_input = false;
+  // A custom all-gather's input, kept until the wait: the custom collective
+  // may read it on its stream after the call (Int8AllGather quantizes it on
+  // the all-gather stream), where no c10d work holds it.
+  at::Tensor custom_input;
 };
 
 // A reduce-scatter issued in post-backward, completed later (see

@@ -103,8 +103,10 @@ class AllGather {
   // when wait() returns: a step to run after the collective (a
   // dequantization) belongs in the Work's finishing step (Work::then), which
   // runs inside wait(), on the waiting thread and its current stream.
-  // Buffers of the implementation's own must outlive the collective (keep
-  // them in the finishing step's closure).
+  // The runtime keeps `input` and `output` alive until wait() returned and
+  // orders their reuse after the all-gather stream; buffers of the
+  // implementation's own must outlive the collective too (keep them in the
+  // finishing step's closure).
   // Errors: an exception thrown here is rethrown naming the module.
   virtual collectives::Work all_gather(const at::Tensor& output, const at::Tensor& input,
                                        collectives::Communicator& comm) = 0;
