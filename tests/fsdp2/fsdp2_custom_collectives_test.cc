@@ -23,7 +23,7 @@
 namespace fsdp::test {
 namespace {
 
-class CountingAllGather : public AllGather {
+class CountingAllGather : public AllGather {  // in namespace fsdp
  public:
   at::Tensor allocate(c10::IntArrayRef sizes, c10::ScalarType dtype, c10::Device device) override {
     ++allocations;
@@ -163,7 +163,7 @@ TEST_P(CustomCollectives, NullRestoresTheDefault) {
     o.configure = [&](FSDPModule& m) {
       m.set_custom_all_gather(all_gather);
       m.set_custom_reduce_scatter(std::make_shared<CountingReduceScatter>());
-      m.set_custom_all_gather(nullptr);
+      m.set_custom_all_gather(nullptr);  // the default again
       m.set_custom_reduce_scatter(nullptr);
     };
     const TrainedRun run = train_sharded(ctx, o);
@@ -299,7 +299,7 @@ TEST_P(CustomCollectives, Int8UnshardedParametersAreTheSameBitsOnEveryRank) {
     const at::Tensor full_w = model->fc->weight.detach().clone(), full_b = model->fc->bias.detach().clone();
     FullyShardOptions fs = mesh_options(ctx);
     FSDPModule m = fully_shard(model, fs);
-    auto int8 = std::make_shared<Int8AllGather>(64);
+    auto int8 = std::make_shared<Int8AllGather>(64);  // the quantized all-gather, blocks of 64
     m.set_custom_all_gather(int8);
     m.unshard();
     const at::Tensor w = model->fc->weight.detach().clone(), b = model->fc->bias.detach().clone();

@@ -11,22 +11,24 @@
 // allocation and the collective call in between
 // (tests/fsdp2/fsdp2_custom_collectives_test.cc):
 //
-//   class CountingAllGather : public fsdp::AllGather {
+//   class CountingAllGather : public AllGather {  // in namespace fsdp
 //    public:
-//     fsdp::collectives::Work all_gather(const at::Tensor& output, const at::Tensor& input,
-//                                        fsdp::collectives::Communicator& comm) override {
+//     ...
+//     collectives::Work all_gather(const at::Tensor& output, const at::Tensor& input,
+//                                  collectives::Communicator& comm) override {
 //       ++calls;
 //       return comm.all_gather_into_tensor(output, input);
 //     }
-//     int calls = 0;
+//     int64_t calls = 0;
+//     ...
 //   };
 //   ...
-//   block_module.set_custom_all_gather(std::make_shared<CountingAllGather>());
-//   block_module.set_custom_all_gather(nullptr);  // the default again
-//
-// The quantized all-gather:
-//
-//   root.set_custom_all_gather(std::make_shared<fsdp::Int8AllGather>());
+//     m.set_custom_all_gather(all_gather);  // one object for every module
+//   ...
+//       m.set_custom_all_gather(nullptr);  // the default again
+//   ...
+//     auto int8 = std::make_shared<Int8AllGather>(64);  // the quantized all-gather, blocks of 64
+//     m.set_custom_all_gather(int8);
 //
 // Size and layout conventions (NCCL's, see collectives/communicator.h): for a
 // communicator of N ranks, the input is this rank's flat, contiguous chunk of
