@@ -57,8 +57,7 @@ void Work::wait(std::chrono::milliseconds timeout) {
     const c10::impl::VirtualGuardImpl impl(end_event_->device_type());
     end_event_->block(impl.getStream(impl.getDevice()));
   }
-  if (waited_) return;
-  if (work_) {
+  if (!waited_ && work_) {
     if (monitor_) monitor_->recorder().mark(record_id_, CollectiveState::kWaiting);
     const auto started = std::chrono::steady_clock::now();
     bool done = false;
@@ -81,10 +80,27 @@ void Work::wait(std::chrono::milliseconds timeout) {
     }
     if (monitor_) monitor_->recorder().mark(record_id_, CollectiveState::kCompleted);
   }
-  // Marked before running `finish_` so that a failing finish step (it should
-  // not fail) is never applied twice.
   waited_ = true;
-  if (finish_) finish_();
+  // Moved out before it runs, so that a failing finish step (it should not
+  // fail) is never applied twice; steps added later by then() run at the
+  // next wait().
+  if (finish_) {
+    const std::function<void()> finish = std::move(finish_);
+    finish_ = nullptr;
+    finish();
+  }
+}
+
+void Work::then(std::function<void()> step) {
+  if (!step) return;
+  if (!finish_) {
+    finish_ = std::move(step);
+    return;
+  }
+  finish_ = [first = std::move(finish_), second = std::move(step)] {
+    first();
+    second();
+  };
 }
 
 bool Work::wait_watched(std::chrono::milliseconds timeout) {

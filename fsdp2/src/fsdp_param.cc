@@ -175,6 +175,17 @@ void FSDPParam::share_shard_as_unsharded() {
   shard_is_unsharded_ = true;
 }
 
+void FSDPParam::unshare_shard() {
+  TORCH_INTERNAL_ASSERT(state_ == ShardedState::kSharded && shard_is_unsharded_);
+  // A view of a freed storage fails its bounds check: made while allocated,
+  // as the constructor makes it.
+  alloc_storage(unsharded_buffer_, static_cast<size_t>(unsharded_buffer_.numel()) * unsharded_buffer_.element_size());
+  unsharded_view_ = unsharded_buffer_.narrow(0, 0, unsharded_numel_).view(unsharded_shape_);
+  free_storage(unsharded_buffer_);
+  name_buffers_for_stream_check();
+  shard_is_unsharded_ = false;
+}
+
 void FSDPParam::to_unsharded() {
   if (state_ == ShardedState::kUnsharded) return;
   TORCH_INTERNAL_ASSERT(shard_is_unsharded_ || unsharded_storage_bytes() > 0 || unsharded_numel_ == 0, "fsdp2: ", fqn_,

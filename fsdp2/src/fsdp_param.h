@@ -168,6 +168,10 @@ class FSDPParam {
   // shard itself. REQUIRES: sharded, one shard rank, param_dtype() ==
   // orig_dtype().
   void share_shard_as_unsharded();
+  // Undoes share_shard_as_unsharded(): the unsharded parameter is the
+  // all-gather output again (a group that got a custom collective).
+  // REQUIRES: sharded.
+  void unshare_shard();
   bool shard_is_unsharded() const { return shard_is_unsharded_; }
 
   // Points P at the full-shape view of the (filled) buffer.

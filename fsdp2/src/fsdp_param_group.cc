@@ -182,13 +182,12 @@ FSDPParamGroup::FSDPParamGroup(std::vector<at::Tensor> params, std::vector<std::
   }
   // See [Note: world size 1 fast path]. The shard's device type rules out
   // shards kept on the host for a device computation.
-  fast_path_ = shard_comm_->size() == 1 && !post_forward_comm_ && reduce_dtype_ == param_dtype_;
+  fast_path_eligible_ = shard_comm_->size() == 1 && !post_forward_comm_ && reduce_dtype_ == param_dtype_;
   for (const auto& p : params_) {
-    fast_path_ = fast_path_ && p->orig_dtype() == param_dtype_ && p->padded_shard().device().type() == device_.type();
+    fast_path_eligible_ =
+        fast_path_eligible_ && p->orig_dtype() == param_dtype_ && p->padded_shard().device().type() == device_.type();
   }
-  if (fast_path_) {
-    for (const auto& p : params_) p->share_shard_as_unsharded();
-  }
+  update_fast_path();
 }
 
 void FSDPParamGroup::lazy_init(FSDPCommContext* comm_ctx, std::string module_fqn) {
@@ -244,7 +243,7 @@ void FSDPParamGroup::unshard(bool async_op) {
     PhaseScope phase(phase_labels_[Phase::kAllGatherCopyIn]);
     // No wait for the last forward copy-out here: see [Note: all-gather
     // output lifetime].
-    output = at::empty({world * padded_total_}, options);
+    output = allocate_all_gather_output(world * padded_total_, options);
     name_for_stream_check(output, "the all-gather output", module_fqn_);
     const int64_t input_numel = output.numel() / comm->size();
     c10::NoGradGuard no_grad;
@@ -286,16 +285,19 @@ void FSDPParamGroup::unshard(bool async_op) {
   AllGatherResult result;
   result.async_op = async_op;
   result.separate_input = input.defined() && !input.is_alias_of(output) && !from_post_forward;
+  if (custom_all_gather_) result.custom_input = input;
   result.copy_in_done = DeviceEvent::record(copy_in_stream);
   if (offload_to_cpu_) offload_copy_in_done_ = result.copy_in_done;
   result.all_gather_stream = all_gather_stream;
   {
     OptionalStreamGuard guard(all_gather_stream);
     result.copy_in_done.block(all_gather_stream);
-    result.work = comm->all_gather_into_tensor(output, input);
+    result.work = issue_all_gather(output, input, *comm);
   }
   comm_ctx_->stats.all_gathers += 1;
-  comm_ctx_->stats.all_gather_bytes += (output.numel() - input.numel()) * static_cast<int64_t>(output.element_size());
+  comm_ctx_->stats.all_gather_bytes +=
+      custom_all_gather_ ? custom_all_gather_->received_bytes(input.numel(), param_dtype_, comm->size())
+                         : (output.numel() - input.numel()) * static_cast<int64_t>(output.element_size());
   result.output = std::move(output);
   all_gather_ = std::move(result);
 }
@@ -559,7 +561,8 @@ void FSDPParamGroup::post_backward() {
   const int64_t world = shard_comm_->size();
   int64_t total = 0;
   for (FSDPParam* p : params_with_grad) total += p->padded_shard_numel();
-  at::Tensor input = at::empty({world, total}, grads.front().options().dtype(reduce_dtype_));
+  at::Tensor input =
+      allocate_reduce_scatter_buffer(world * total, grads.front().options().dtype(reduce_dtype_)).view({world, total});
   name_for_stream_check(input, "the reduce-scatter input", module_fqn_);
   {
     PhaseScope copy_in(phase_labels_[Phase::kReduceScatterCopyIn]);
@@ -592,17 +595,18 @@ void FSDPParamGroup::post_backward() {
   collectives::Work work;
   {
     OptionalStreamGuard guard(rs_stream);
-    output = at::empty({total}, input.options());
+    output = allocate_reduce_scatter_buffer(total, input.options());
     name_for_stream_check(output, "the reduce-scatter output", module_fqn_);
     FSDP2CPP_LOG_DEBUG(phase_labels_[Phase::kReduceScatter] + " op " +
                        describe_reduce(ops.reduce_scatter, shard_comm_->backend_kind(), world) + " in " +
                        c10::toString(reduce_dtype_) + ", " + std::to_string(total) + " elements per rank");
     PhaseScope rs_phase(phase_labels_[Phase::kReduceScatter]);
-    const auto& rs_comm = settings_.reduce_scatter_comm ? settings_.reduce_scatter_comm : shard_comm_;
-    work = rs_comm->reduce_scatter_tensor(output, input.view({-1}), ops.reduce_scatter);
+    work = issue_reduce_scatter(output, input.view({-1}), ops.reduce_scatter);
   }
   comm_ctx_->stats.reduce_scatters += 1;
-  comm_ctx_->stats.reduce_scatter_bytes += input.numel() * static_cast<int64_t>(input.element_size());
+  comm_ctx_->stats.reduce_scatter_bytes += custom_reduce_scatter_
+                                               ? custom_reduce_scatter_->sent_bytes(input.numel(), reduce_dtype_, world)
+                                               : input.numel() * static_cast<int64_t>(input.element_size());
   pending_reduce_ = PendingReduce{std::move(work), std::move(output), std::move(params_with_grad),
                                   ops.all_reduce,  ops.post_divide,   settings_.all_reduce_grads,
                                   rs_stream};
@@ -789,6 +793,91 @@ void FSDPParamGroup::wait_for_offload_copies() {
   offload_copy_in_done_.synchronize();
   offload_copy_in_done_ = DeviceEvent();
   for (const auto& p : params_) p->wait_for_grad_offload();
+}
+
+// ---- Custom collectives (fsdp2/custom_collectives.h) ----
+
+namespace {
+
+std::string group_label(const std::string& module_fqn) {
+  return module_fqn.empty() ? "the root module" : "module '" + module_fqn + "'";
+}
+
+void check_custom_buffer(const at::Tensor& t, int64_t numel, const at::TensorOptions& options, const char* what,
+                         const std::string& module_fqn) {
+  TORCH_CHECK(t.defined() && t.dim() == 1 && t.numel() == numel && t.scalar_type() == options.dtype() &&
+                  t.device() == options.device() && t.is_contiguous(),
+              "fsdp2: ", group_label(module_fqn), ": the custom ", what, "'s allocate returned ",
+              t.defined() ? "a tensor of shape " + c10::str(t.sizes()) + ", " + c10::toString(t.scalar_type()) +
+                                " on " + t.device().str() + (t.is_contiguous() ? "" : ", not contiguous")
+                          : std::string("an undefined tensor"),
+              "; expected a contiguous tensor of shape [", numel, "], ", c10::toString(options.dtype()), " on ",
+              options.device(), ". allocate must return a buffer of exactly the sizes, dtype and device it is given");
+}
+
+}  // namespace
+
+void FSDPParamGroup::set_custom_all_gather(std::shared_ptr<AllGather> comm) {
+  custom_all_gather_ = std::move(comm);
+  update_fast_path();
+}
+
+void FSDPParamGroup::set_custom_reduce_scatter(std::shared_ptr<ReduceScatter> comm) {
+  custom_reduce_scatter_ = std::move(comm);
+  update_fast_path();
+}
+
+void FSDPParamGroup::update_fast_path() {
+  const bool fast = fast_path_eligible_ && !custom_all_gather_ && !custom_reduce_scatter_;
+  if (fast == fast_path_) return;
+  TORCH_INTERNAL_ASSERT(is_sharded() && !all_gather_ && !pending_reduce_);
+  for (const auto& p : params_) {
+    if (fast) {
+      p->share_shard_as_unsharded();
+    } else {
+      p->unshare_shard();
+    }
+  }
+  fast_path_ = fast;
+}
+
+at::Tensor FSDPParamGroup::allocate_all_gather_output(int64_t numel, const at::TensorOptions& options) const {
+  if (!custom_all_gather_) return at::empty({numel}, options);
+  at::Tensor output = custom_all_gather_->allocate({numel}, options.dtype().toScalarType(), options.device());
+  check_custom_buffer(output, numel, options, "all-gather", module_fqn_);
+  return output;
+}
+
+collectives::Work FSDPParamGroup::issue_all_gather(const at::Tensor& output, const at::Tensor& input,
+                                                   collectives::Communicator& comm) const {
+  if (!custom_all_gather_) return comm.all_gather_into_tensor(output, input);
+  try {
+    return custom_all_gather_->all_gather(output, input, comm);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "fsdp2: ", group_label(module_fqn_), ": the custom all-gather failed on ", comm.name(), ": ",
+                e.what_without_backtrace());
+  }
+}
+
+at::Tensor FSDPParamGroup::allocate_reduce_scatter_buffer(int64_t numel, const at::TensorOptions& options) const {
+  if (!custom_reduce_scatter_) return at::empty({numel}, options);
+  at::Tensor buffer = custom_reduce_scatter_->allocate({numel}, options.dtype().toScalarType(), options.device());
+  check_custom_buffer(buffer, numel, options, "reduce-scatter", module_fqn_);
+  return buffer;
+}
+
+collectives::Work FSDPParamGroup::issue_reduce_scatter(const at::Tensor& output, const at::Tensor& input,
+                                                       const collectives::ReduceOp& op) const {
+  // set_separate_reduce_scatter_group: its own communicator over the same
+  // ranks.
+  collectives::Communicator& comm = settings_.reduce_scatter_comm ? *settings_.reduce_scatter_comm : *shard_comm_;
+  if (!custom_reduce_scatter_) return comm.reduce_scatter_tensor(output, input, op);
+  try {
+    return custom_reduce_scatter_->reduce_scatter(output, input, op, comm);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "fsdp2: ", group_label(module_fqn_), ": the custom reduce-scatter failed on ", comm.name(),
+                ": ", e.what_without_backtrace());
+  }
 }
 
 int64_t FSDPParamGroup::unsharded_storage_bytes() const {

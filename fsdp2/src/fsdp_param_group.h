@@ -15,6 +15,7 @@
 
 #include "collectives/work.h"
 #include "device_mesh/device_mesh.h"
+#include "fsdp2/custom_collectives.h"
 #include "fsdp2/fully_shard.h"
 #include "fsdp2/module_call.h"
 #include "fsdp_param.h"
@@ -113,6 +114,10 @@ struct AllGatherResult {
   bool async_op = false;
   // The input is a buffer of its own, made on the copy-in stream (Gloo).
   bool separate_input = false;
+  // A custom all-gather's input, kept until the wait: the custom collective
+  // may read it on its stream after the call (Int8AllGather quantizes it on
+  // the all-gather stream), where no c10d work holds it.
+  at::Tensor custom_input;
 };
 
 // A reduce-scatter issued in post-backward, completed later (see
@@ -181,7 +186,9 @@ std::string describe_reduce(const collectives::ReduceOp& op, collectives::Backen
 // all-reduce or an all-reduce hook, which see the group's gradients as one
 // tensor, they are first copied into one buffer (the copy-in at one rank)
 // and the reduction goes on as on the general path. No all-gather or
-// reduce-scatter is counted in RuntimeStats.
+// reduce-scatter is counted in RuntimeStats. A group with a custom all-gather
+// or reduce-scatter (custom_collectives.h) does not take it: the custom
+// collectives run at one rank too.
 class FSDPParamGroup {
  public:
   // `mesh` is 1-D (FSDP) or 2-D (replicate, shard) for HSDP.
@@ -253,6 +260,15 @@ class FSDPParamGroup {
   // adds the result to the sharded gradients.
   void wait_for_post_backward();
 
+  // Custom collectives (fsdp2/custom_collectives.h); null restores the
+  // communicator's own. A group with either leaves the world size 1 fast
+  // path (see the note above), and returns to it when both are null again.
+  // REQUIRES: the group is idle and sharded, with no collective in flight
+  // (FSDPModule::set_custom_* checks it and names the module).
+  void set_custom_all_gather(std::shared_ptr<AllGather> comm);
+  void set_custom_reduce_scatter(std::shared_ptr<ReduceScatter> comm);
+  bool has_pending_reduce() const { return pending_reduce_.has_value(); }
+
   int64_t unsharded_storage_bytes() const;
   // This group's label for `phase` (see phase_labels.h).
   const std::string& phase_label(Phase phase) const { return phase_labels_[phase]; }
@@ -268,6 +284,23 @@ class FSDPParamGroup {
   ReduceOps reduce_ops() const;
   // Fast path: the one-rank reduce-scatter of `grads` done in place.
   void reduce_in_place(std::vector<FSDPParam*>& params, std::vector<at::Tensor>& grads, const ReduceOps& ops);
+
+  // Custom collectives: the all-gather output (or reduce-scatter buffer)
+  // from the custom allocate when there is one, checked; the collective
+  // itself, with an error from a custom one rethrown naming the module.
+  at::Tensor allocate_all_gather_output(int64_t numel, const at::TensorOptions& options) const;
+  collectives::Work issue_all_gather(const at::Tensor& output, const at::Tensor& input,
+                                     collectives::Communicator& comm) const;
+  at::Tensor allocate_reduce_scatter_buffer(int64_t numel, const at::TensorOptions& options) const;
+  collectives::Work issue_reduce_scatter(const at::Tensor& output, const at::Tensor& input,
+                                         const collectives::ReduceOp& op) const;
+  // Recomputes fast_path_ from fast_path_eligible_ and the custom
+  // collectives, switching the parameters' unsharded views.
+  void update_fast_path();
+  // Shared: one custom collective object may serve several modules.
+  std::shared_ptr<AllGather> custom_all_gather_;
+  std::shared_ptr<ReduceScatter> custom_reduce_scatter_;
+  bool fast_path_eligible_ = false;  // see [Note: world size 1 fast path]
 
   std::vector<std::unique_ptr<FSDPParam>> params_;
   DeviceMesh mesh_;

@@ -86,6 +86,24 @@ TEST(ReduceOpTest, NamesEveryKind) {
   EXPECT_EQ(to_string(BackendKind::kNccl), "nccl");
 }
 
+TEST(WorkTest, ThenStepsRunOnceAtWaitInOrder) {
+  std::vector<int> ran;
+  Work work;
+  work.then([&] { ran.push_back(1); });
+  work.then([&] { ran.push_back(2); });
+  EXPECT_TRUE(ran.empty());  // not before wait()
+  work.wait();
+  EXPECT_EQ(ran, (std::vector<int>{1, 2}));
+  work.wait();
+  EXPECT_EQ(ran, (std::vector<int>{1, 2}));  // once
+  // Added after a wait (as the stream-order checker's collectives, already
+  // waited for at issue): run at the next wait.
+  work.then([&] { ran.push_back(3); });
+  EXPECT_EQ(ran.size(), 2u);
+  work.wait();
+  EXPECT_EQ(ran, (std::vector<int>{1, 2, 3}));
+}
+
 TEST(WorkTest, DefaultWorkIsCompleted) {
   Work work;
   EXPECT_TRUE(work.is_completed());

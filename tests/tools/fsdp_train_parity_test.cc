@@ -75,5 +75,30 @@ TEST(FsdpTrainParity, HsdpMeshMatchesOneRank) {
   }
 }
 
+// --compare-all-gather: the plain and the int8 all-gather trained in one run
+// (2 ranks), and the table that compares them: the int8 run all-gathers
+// fewer bytes (the blocks' at about 1/4, the root's unquantized) and its
+// loss curve stays close.
+TEST(FsdpTrainParity, Int8AllGatherComparison) {
+  std::vector<std::string> args = small_run_flags("", 10);
+  args.resize(args.size() - 2);  // no --json
+  args.insert(args.end(), {"--nproc", "2", "--all-gather-dtype", "int8", "--compare-all-gather"});
+  const RunResult run = run_program(FSDP_TRAIN_BINARY, args);
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_NE(run.output.find("int8 all-gather (blocks)"), std::string::npos) << run.output;
+  const size_t table = run.output.find("all-gather comparison (2 ranks");
+  ASSERT_NE(table, std::string::npos) << run.output;
+  const size_t ratio_at = run.output.find("ratio int8/param", table);
+  ASSERT_NE(ratio_at, std::string::npos) << run.output;
+  const double bytes_ratio = std::stod(run.output.substr(ratio_at + std::string("ratio int8/param").size()));
+  EXPECT_GT(bytes_ratio, 0.25) << run.output;
+  EXPECT_LT(bytes_ratio, 0.5) << run.output;
+  const size_t diff_at = run.output.find("max |loss difference|", table);
+  ASSERT_NE(diff_at, std::string::npos) << run.output;
+  const double max_diff = std::stod(run.output.substr(diff_at + std::string("max |loss difference|").size()));
+  EXPECT_GT(max_diff, 0.0) << run.output;   // it is quantized
+  EXPECT_LT(max_diff, 0.05) << run.output;  // and close: about 1% of a loss near 3-5
+}
+
 }  // namespace
 }  // namespace fsdp_train_test

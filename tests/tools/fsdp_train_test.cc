@@ -61,6 +61,23 @@ TEST(Validate, MessagesNameTheFlag) {
   EXPECT_NE(fsdp_train::validate(c, 1).message().find("--reduce-dtype"), std::string::npos);
 }
 
+TEST(Validate, AllGatherDtypeFlags) {
+  TrainConfig c;
+  c.all_gather_dtype = "int8";
+  EXPECT_TRUE(fsdp_train::validate(c, 2).ok());
+  c.compare_all_gather = true;
+  EXPECT_TRUE(fsdp_train::validate(c, 2).ok());
+  c.all_gather_dtype = "fp8";
+  EXPECT_EQ(fsdp_train::validate(c, 2).message(), "--all-gather-dtype must be param or int8 (got 'fp8')");
+  c = TrainConfig{};
+  c.compare_all_gather = true;
+  EXPECT_NE(fsdp_train::validate(c, 2).message().find("add --all-gather-dtype int8"), std::string::npos);
+  c = TrainConfig{};
+  c.no_shard = true;
+  c.all_gather_dtype = "int8";
+  EXPECT_NE(fsdp_train::validate(c, 1).message().find("--no-shard gathers nothing"), std::string::npos);
+}
+
 TEST(Validate, MeshIsReplicateTimesShard) {
   auto mesh = fsdp_train::parse_mesh("2x3", 6);
   ASSERT_TRUE(mesh.ok());

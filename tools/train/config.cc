@@ -97,6 +97,25 @@ absl::Status validate(const TrainConfig& c, int64_t world_size) {
                                    "): on the CPU the shards already live in host memory"));
   }
   if (c.cpu_offload && c.no_shard) return flag_error("--no-shard: --cpu-offload is a fully_shard option; drop it");
+  if (c.all_gather_dtype != "param" && c.all_gather_dtype != "int8") {
+    return flag_error(absl::StrCat("--all-gather-dtype must be param or int8 (got '", c.all_gather_dtype, "')"));
+  }
+  if (c.no_shard && (c.all_gather_dtype != "param" || c.compare_all_gather)) {
+    return flag_error(
+        "--no-shard gathers nothing: --all-gather-dtype and --compare-all-gather are fully_shard "
+        "options; drop them");
+  }
+  if (c.compare_all_gather && c.all_gather_dtype != "int8") {
+    return flag_error(
+        absl::StrCat("--compare-all-gather compares the plain all-gather with --all-gather-dtype int8 "
+                     "(got --all-gather-dtype ",
+                     c.all_gather_dtype, "); add --all-gather-dtype int8"));
+  }
+  if (c.compare_all_gather && (!c.save_dir.empty() || c.resume || !c.export_hf.empty() || !c.profile_dir.empty())) {
+    return flag_error(
+        "--compare-all-gather trains twice from scratch: it takes no --save-dir, --resume, "
+        "--export-hf or --profile");
+  }
   if (c.resume && c.save_dir.empty()) {
     return flag_error("--resume needs --save-dir (the directory whose newest checkpoint to continue from)");
   }

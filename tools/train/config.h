@@ -58,6 +58,16 @@ struct TrainConfig {
   // fp32 | bf16 | fp16 (MixedPrecisionPolicy).
   std::string param_dtype = "fp32";
   std::string reduce_dtype = "fp32";
+  // param | int8: what the blocks' all-gathers move. int8 sets
+  // fsdp::Int8AllGather (fsdp2/custom_collectives.h) on every block: int8
+  // values with an fp32 scale per 256 elements, dequantized before the
+  // copy-out. The root (embeddings, final norm, output projection) keeps
+  // the unquantized all-gather (docs/trainer.md says why).
+  std::string all_gather_dtype = "param";
+  // Train twice in one run, without and with --all-gather-dtype int8 (same
+  // seed, data and ranks), and print the two side by side: all-gather bytes
+  // per step, median step time, final loss, the largest loss difference.
+  bool compare_all_gather = false;
   // OffloadPolicy::offload_to_cpu for every fully_shard call (CUDA only):
   // shards, gradients and AdamW state in pinned host memory.
   bool cpu_offload = false;

@@ -79,6 +79,12 @@ ABSL_FLAG(bool, cpu_offload, kDefaults.cpu_offload,
           "CUDA: keep the sharded parameters, gradients and AdamW state in pinned host memory (fully_shard's "
           "OffloadPolicy::offload_to_cpu; the optimizer steps on the CPU).");
 ABSL_FLAG(int64_t, threads, kDefaults.threads, "Intra-op threads per rank; 0: the cores divided among local ranks.");
+ABSL_FLAG(std::string, all_gather_dtype, kDefaults.all_gather_dtype,
+          "param or int8: int8 all-gathers the blocks' parameters as int8 with an fp32 scale per 256 values "
+          "(fsdp::Int8AllGather), dequantized before use; the root's all-gather is not quantized.");
+ABSL_FLAG(bool, compare_all_gather, kDefaults.compare_all_gather,
+          "Train twice in one run, with the plain and the int8 all-gather (needs --all-gather-dtype int8), and "
+          "print bytes all-gathered per step, step time and the loss curves' largest difference.");
 ABSL_FLAG(bool, no_shard, kDefaults.no_shard,
           "Train the same model without fully_shard on one rank (the unsharded baseline of the benchmarks).");
 ABSL_FLAG(std::string, save_dir, "",
@@ -129,6 +135,8 @@ fsdp_train::TrainConfig config_from_flags() {
   c.cpu_offload = absl::GetFlag(FLAGS_cpu_offload);
   c.threads = absl::GetFlag(FLAGS_threads);
   c.no_shard = absl::GetFlag(FLAGS_no_shard);
+  c.all_gather_dtype = absl::GetFlag(FLAGS_all_gather_dtype);
+  c.compare_all_gather = absl::GetFlag(FLAGS_compare_all_gather);
   c.save_dir = absl::GetFlag(FLAGS_save_dir);
   c.save_every = absl::GetFlag(FLAGS_save_every);
   c.keep = absl::GetFlag(FLAGS_keep);
@@ -242,7 +250,11 @@ int main(int argc, char** argv) {
   const std::string who = torchrun_rank ? std::string("[rank ") + std::getenv(rank_var) + "] " : "";
   try {
     auto world = torchrun_rank ? fsdp::collectives::World::from_env() : single_rank_world();
-    fsdp_train::run_training(config, world);
+    if (config.compare_all_gather) {
+      fsdp_train::compare_all_gather_dtypes(config, world);
+    } else {
+      fsdp_train::run_training(config, world);
+    }
     return 0;
   } catch (const c10::Error& e) {
     return fail(who + "error: " + e.what_without_backtrace(), 1);

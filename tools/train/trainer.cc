@@ -33,6 +33,7 @@
 #include "data.h"
 #include "device_mesh/device_mesh.h"
 #include "fsdp2/clip_grad.h"
+#include "fsdp2/custom_collectives.h"
 #include "fsdp2/fully_shard.h"
 #include "fsdp2/module_call.h"
 #include "fsdp_common/config.h"
@@ -148,16 +149,17 @@ void print_header(const TrainConfig& c, const fsdp::DeviceMesh& mesh, const Corp
     std::printf("  fsdp    none (--no-shard: the same model unsharded, one rank)\n");
   } else {
     std::printf(
-        "  fsdp    fully_shard on %lld blocks + root, reshard_after_forward=%s, param dtype %s, reduce dtype %s%s\n",
+        "  fsdp    fully_shard on %lld blocks + root, reshard_after_forward=%s, param dtype %s, reduce dtype %s%s%s\n",
         static_cast<long long>(m.layers), c.reshard_after_forward ? "true" : "false", c.param_dtype.c_str(),
-        c.reduce_dtype.c_str(), c.cpu_offload ? ", CPU offload" : "");
+        c.reduce_dtype.c_str(), c.cpu_offload ? ", CPU offload" : "",
+        c.all_gather_dtype == "int8" ? ", int8 all-gather (blocks)" : "");
   }
   std::fflush(stdout);
 }
 
 }  // namespace
 
-void run_training(const TrainConfig& c, const std::shared_ptr<fsdp::collectives::World>& world) {
+TrainingResult run_training(const TrainConfig& c, const std::shared_ptr<fsdp::collectives::World>& world) {
   const int rank = world->rank(), world_size = world->size();
   const c10::Device device = rank_device(c, *world);
   // Ranks on one machine share its cores.
@@ -196,8 +198,20 @@ void run_training(const TrainConfig& c, const std::shared_ptr<fsdp::collectives:
   options.offload_policy.offload_to_cpu = c.cpu_offload;
   fsdp::FullyShardOptions block_options = options;
   block_options.reshard_after_forward = c.reshard_after_forward;
+  // --all-gather-dtype int8: one Int8AllGather for every block. The root
+  // (token embedding, final norm, output projection) is left unquantized:
+  // its all-gather runs once a step (the root is not resharded after
+  // forward), and the embedding and the logits are where a quantization
+  // error reaches the loss most directly.
+  const std::shared_ptr<fsdp::AllGather> block_all_gather =
+      c.all_gather_dtype == "int8" ? std::make_shared<fsdp::Int8AllGather>() : nullptr;
   std::function<void(Block&)> shard_block;
-  if (!c.no_shard) shard_block = [&](Block& block) { fsdp::fully_shard(block, block_options); };
+  if (!c.no_shard) {
+    shard_block = [&](Block& block) {
+      fsdp::FSDPModule sharded = fsdp::fully_shard(block, block_options);
+      if (block_all_gather) sharded.set_custom_all_gather(block_all_gather);
+    };
+  }
   std::shared_ptr<Transformer> model = build_transformer(mc, c.seed, device, shard_block);
   std::optional<fsdp::FSDPModule> root;
   if (!c.no_shard) root = fsdp::fully_shard(model, options);
@@ -300,7 +314,15 @@ void run_training(const TrainConfig& c, const std::shared_ptr<fsdp::collectives:
                   static_cast<long long>(last_step));
       std::fflush(stdout);
     }
-    return;
+    return {};
+  }
+  TrainingResult result;
+  result.records = records;
+  if (root) {
+    const fsdp::RuntimeStats stats = root->runtime_stats();
+    const double steps = static_cast<double>(records.size());
+    result.all_gather_bytes_per_step = static_cast<double>(stats.all_gather_bytes) / steps;
+    result.all_gathers_per_step = static_cast<double>(stats.all_gathers) / steps;
   }
 
   // Per-rank summary numbers, gathered (collective: every rank takes part).
@@ -336,6 +358,11 @@ void run_training(const TrainConfig& c, const std::shared_ptr<fsdp::collectives:
     std::printf("  compute+rest  %.2f s (%.1f%%)\n", total - exposed, 100.0 * (total - exposed) / total);
     std::printf("  peak memory   %s (%s)\n", absl::StrJoin(peak_text, ", ").c_str(),
                 device.is_cuda() ? "CUDA caching allocator" : "max RSS");
+    if (root) {
+      std::printf("  all-gather    %s received per step by rank 0 (%.0f all-gathers%s)\n",
+                  format_bytes(static_cast<int64_t>(result.all_gather_bytes_per_step)).c_str(),
+                  result.all_gathers_per_step, c.all_gather_dtype == "int8" ? ", the blocks' in int8" : "");
+    }
     std::fflush(stdout);
     if (!c.json_path.empty()) {
       const absl::Status written = write_json(c.json_path, world_size, mesh.to_string(), records);
@@ -344,6 +371,65 @@ void run_training(const TrainConfig& c, const std::shared_ptr<fsdp::collectives:
       std::fflush(stdout);
     }
   }
+  return result;
+}
+
+namespace {
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t mid = v.size() / 2;
+  return v.size() % 2 == 1 ? v[mid] : (v[mid - 1] + v[mid]) / 2;
+}
+
+// Step seconds (slowest rank) without the first step, a warm-up.
+std::vector<double> timed_steps(const std::vector<StepRecord>& records) {
+  std::vector<double> seconds;
+  for (size_t i = records.size() > 1 ? 1 : 0; i < records.size(); ++i) seconds.push_back(records[i].seconds);
+  return seconds;
+}
+
+}  // namespace
+
+void compare_all_gather_dtypes(const TrainConfig& config, const std::shared_ptr<fsdp::collectives::World>& world) {
+  TORCH_CHECK(config.all_gather_dtype == "int8", "compare_all_gather_dtypes: --all-gather-dtype must be int8");
+  TrainConfig plain = config;
+  plain.all_gather_dtype = "param";
+  plain.compare_all_gather = false;
+  plain.json_path.clear();
+  TrainConfig int8 = config;
+  int8.compare_all_gather = false;
+  int8.json_path.clear();
+  const int rank = world->rank();
+  if (rank == 0) std::printf("== run 1 of 2: all-gather in the param dtype (%s)\n", config.param_dtype.c_str());
+  const TrainingResult a = run_training(plain, world);
+  if (rank == 0) std::printf("== run 2 of 2: int8 all-gather (blocks)\n");
+  const TrainingResult b = run_training(int8, world);
+  if (rank != 0 || a.records.empty() || a.records.size() != b.records.size()) return;
+  double max_diff = 0;
+  int64_t max_diff_step = 0;
+  for (size_t i = 0; i < a.records.size(); ++i) {
+    const double d = std::abs(a.records[i].loss - b.records[i].loss);
+    if (d > max_diff) {
+      max_diff = d;
+      max_diff_step = a.records[i].step;
+    }
+  }
+  const double ta = median(timed_steps(a.records)), tb = median(timed_steps(b.records));
+  std::printf("all-gather comparison (%d rank%s, %s, %zu steps, param dtype %s)\n", world->size(),
+              world->size() == 1 ? "" : "s", config.device.c_str(), a.records.size(), config.param_dtype.c_str());
+  std::printf("  %-22s %18s %12s %11s\n", "all-gather", "bytes/step/rank", "step (med)", "final loss");
+  std::printf("  %-22s %18s %10.3f s %11.4f\n", ("param (" + config.param_dtype + ")").c_str(),
+              format_bytes(static_cast<int64_t>(a.all_gather_bytes_per_step)).c_str(), ta, a.records.back().loss);
+  std::printf("  %-22s %18s %10.3f s %11.4f\n", "int8 (blocks)",
+              format_bytes(static_cast<int64_t>(b.all_gather_bytes_per_step)).c_str(), tb, b.records.back().loss);
+  std::printf("  ratio int8/param       %18.3f %12.3f\n",
+              a.all_gather_bytes_per_step > 0 ? b.all_gather_bytes_per_step / a.all_gather_bytes_per_step : 0.0,
+              ta > 0 ? tb / ta : 0.0);
+  std::printf("  max |loss difference|  %.4f (step %lld); final loss difference %+.4f\n", max_diff,
+              static_cast<long long>(max_diff_step), b.records.back().loss - a.records.back().loss);
+  std::fflush(stdout);
 }
 
 }  // namespace fsdp_train

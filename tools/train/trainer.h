@@ -7,15 +7,32 @@
 #pragma once
 
 #include <memory>
+#include <vector>
 
 #include "collectives/world.h"
 #include "config.h"
+#include "report.h"
 
 namespace fsdp_train {
 
 // Trains as this process's rank of `world`. REQUIRES: validate(config,
 // world->size()) is OK. Throws c10::Error (or std::runtime_error for data
 // and file errors) on failure; collective over every rank of `world`.
-void run_training(const TrainConfig& config, const std::shared_ptr<fsdp::collectives::World>& world);
+// Returns what --compare-all-gather compares (the same on every rank).
+struct TrainingResult {
+  std::vector<StepRecord> records;
+  // Bytes this rank received in all-gathers, per step (RuntimeStats), and
+  // the number of all-gathers per step.
+  double all_gather_bytes_per_step = 0;
+  double all_gathers_per_step = 0;
+};
+TrainingResult run_training(const TrainConfig& config, const std::shared_ptr<fsdp::collectives::World>& world);
+
+// --compare-all-gather: run_training twice, with --all-gather-dtype param
+// and int8, then (rank 0) the table: all-gather bytes per step and per rank,
+// median step time (slowest rank, the first step left out), final loss, and
+// the largest |loss difference| over the steps. REQUIRES: validate() is OK
+// and config.all_gather_dtype is int8.
+void compare_all_gather_dtypes(const TrainConfig& config, const std::shared_ptr<fsdp::collectives::World>& world);
 
 }  // namespace fsdp_train

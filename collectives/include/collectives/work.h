@@ -61,6 +61,14 @@ class Work {
   // not watched.
   void wait(std::chrono::milliseconds timeout = kDefaultTimeout);
 
+  // Appends a finishing step, run once inside wait() after the collective
+  // and any finishing step already there, in the waiting thread and on its
+  // current stream on CUDA (custom_collectives.h's Int8AllGather dequantizes
+  // there: whoever waits for the Work gets the finished result). On a Work
+  // already waited for (the stream-order checker completes collectives at
+  // issue) the step runs at the next wait(), after that wait's stream wait.
+  void then(std::function<void()> step);
+
   // True when the collective has completed (successfully or not). Never blocks.
   bool is_completed() const;
 

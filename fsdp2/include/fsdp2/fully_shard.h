@@ -210,6 +210,10 @@ namespace detail {
 class FSDPState;
 }
 
+// fsdp2/custom_collectives.h
+class AllGather;
+class ReduceScatter;
+
 // Communication counters of one root's FSDP tree, for progress reports and
 // benchmarks. "Wait" times are host time blocked waiting for a collective:
 // on CPU (Gloo) that is exactly the communication not hidden behind
@@ -387,6 +391,20 @@ class FSDPModule {
   // cast; see RuntimeStats), it counts their bytes while unsharded: memory
   // that the shards hold anyway, which reshard does not free.
   int64_t unsharded_bytes() const;
+
+  // Custom collectives (fsdp2/custom_collectives.h; FSDP2's
+  // set_custom_all_gather / set_custom_reduce_scatter): this module's group
+  // all-gathers its parameters (reduce-scatters its gradients) with `comm`
+  // instead of the communicator's own collective; the copy-in, copy-out,
+  // divisions and streams stay the runtime's. nullptr restores the default.
+  // Applies to this module's group only (not its sharded submodules). The
+  // group then runs the collective at one shard rank too (no world size 1
+  // fast path). Shared: one object may serve several modules.
+  // REQUIRES: the module has parameters of its own (a group), and it is
+  // between steps: idle, sharded, no collective in flight. Throws c10::Error
+  // naming the module otherwise.
+  void set_custom_all_gather(std::shared_ptr<AllGather> comm);
+  void set_custom_reduce_scatter(std::shared_ptr<ReduceScatter> comm);
 
   // Internal.
   explicit FSDPModule(std::shared_ptr<detail::FSDPState> state);
