@@ -183,10 +183,15 @@ if(DEFINED FSDP2CPP_TORCH_RECORDED_ROOT AND NOT FSDP2CPP_TORCH_ROOT)
   set(FSDP2CPP_TORCH_VERSION "${_found_version}")
   message(STATUS "fsdp2cpp: torch ${FSDP2CPP_TORCH_VERSION} at ${FSDP2CPP_TORCH_ROOT} (from ${_how})")
 elseif(NOT FSDP2CPP_TORCH_ROOT)
-  # The build: the torch of FSDP2CPP_PYTHON, default .venv/bin/python.
+  # The build: the torch of FSDP2CPP_PYTHON, default the python of the
+  # virtual env FSDP2CPP_VENV (default .venv; the Makefile passes
+  # .venv-torch<version> for TORCH_VERSION=<version>), else python3.
+  if(NOT FSDP2CPP_VENV)
+    set(FSDP2CPP_VENV "${CMAKE_SOURCE_DIR}/.venv")
+  endif()
   if(NOT FSDP2CPP_PYTHON)
-    if(EXISTS "${CMAKE_SOURCE_DIR}/.venv/bin/python")
-      set(FSDP2CPP_PYTHON "${CMAKE_SOURCE_DIR}/.venv/bin/python")
+    if(EXISTS "${FSDP2CPP_VENV}/bin/python")
+      set(FSDP2CPP_PYTHON "${FSDP2CPP_VENV}/bin/python")
     else()
       find_program(FSDP2CPP_PYTHON NAMES python3 python REQUIRED)
     endif()
