@@ -311,6 +311,23 @@ if(NOT TARGET fsdp2cpp::torch)
   # link line; --no-as-needed so it is kept there) makes it the first NEEDED
   # entry: the calls bind to libstdc++, with their GLIBCXX versions, for this
   # program and for every library it loads. docs/build.md has the evidence.
+  # [Note: the C++ standard torch needs] torch 2.11's headers are C++17;
+  # torch 2.15's use C++20 (std::bit_width in c10/core/DispatchKeySet.h,
+  # std::strong_ordering in c10/util/intrusive_ptr.h, `requires` in
+  # ATen/core/TensorBase.h) and its TorchConfig.cmake asks for it with
+  # target_compile_features(torch INTERFACE cxx_std_20). We ask for what the
+  # torch's own config asks for, read from that file, so every target that
+  # links fsdp2cpp::torch (ours and an installed package's consumers) compiles
+  # with at least that standard; the project's CMAKE_CXX_STANDARD (17) stays
+  # the floor.
+  set(_fsdp2cpp_torch_cxx_std cxx_std_17)
+  if(EXISTS "${FSDP2CPP_TORCH_ROOT}/share/cmake/Torch/TorchConfig.cmake")
+    file(STRINGS "${FSDP2CPP_TORCH_ROOT}/share/cmake/Torch/TorchConfig.cmake" _lines
+         REGEX "target_compile_features\\(torch INTERFACE cxx_std_[0-9]+\\)")
+    if(_lines MATCHES "cxx_std_([0-9]+)")
+      set(_fsdp2cpp_torch_cxx_std "cxx_std_${CMAKE_MATCH_1}")
+    endif()
+  endif()
   set(_fsdp2cpp_torch_link_options "LINKER:-rpath,${FSDP2CPP_TORCH_ROOT}/lib")
   if(CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang" AND CMAKE_SYSTEM_NAME STREQUAL "Linux")
     list(APPEND _fsdp2cpp_torch_link_options "LINKER:--push-state,--no-as-needed,-lstdc++,--pop-state")
@@ -320,6 +337,7 @@ if(NOT TARGET fsdp2cpp::torch)
     INTERFACE_INCLUDE_DIRECTORIES "${FSDP2CPP_TORCH_ROOT}/include;${FSDP2CPP_TORCH_ROOT}/include/torch/csrc/api/include"
     INTERFACE_SYSTEM_INCLUDE_DIRECTORIES "${FSDP2CPP_TORCH_ROOT}/include;${FSDP2CPP_TORCH_ROOT}/include/torch/csrc/api/include"
     INTERFACE_COMPILE_DEFINITIONS "_GLIBCXX_USE_CXX11_ABI=${FSDP2CPP_TORCH_CXX11_ABI}"
+    INTERFACE_COMPILE_FEATURES "${_fsdp2cpp_torch_cxx_std}"
     # --no-as-needed: the program itself needs the three libraries, so the
     # loader finds them through the program's -rpath (the torch this
     # configure found) before our libraries, whose RUNPATH names the torch
