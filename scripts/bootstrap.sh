@@ -124,7 +124,14 @@ fi
 has_torch() { "$1" -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0] == '$TORCH_VERSION' else 1)" 2>/dev/null; }
 
 if [[ -n "${FSDP2CPP_PYTHON:-}" ]]; then
-  has_torch "$FSDP2CPP_PYTHON" || { say "FSDP2CPP_PYTHON=$FSDP2CPP_PYTHON has no torch $TORCH_VERSION"; exit 1; }
+  if ! has_torch "$FSDP2CPP_PYTHON"; then
+    if found=$("$FSDP2CPP_PYTHON" -c "import torch; print(torch.__version__)" 2>/dev/null); then
+      say "FSDP2CPP_PYTHON=$FSDP2CPP_PYTHON has torch $found, not $TORCH_VERSION (set TORCH_VERSION to the version it has)"
+    else
+      say "FSDP2CPP_PYTHON=$FSDP2CPP_PYTHON cannot import torch (wanted $TORCH_VERSION)"
+    fi
+    exit 1
+  fi
   say "using torch $TORCH_VERSION from FSDP2CPP_PYTHON=$FSDP2CPP_PYTHON"
 elif [[ -x $VENV/bin/python ]] && has_torch $VENV/bin/python; then
   say "virtual env $VENV has torch $TORCH_VERSION"
