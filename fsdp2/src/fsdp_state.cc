@@ -441,7 +441,8 @@ void FSDPState::after_root_forward_with_grad() {
     const auto& params = group_->params();
     root_param_nodes_.resize(params.size());
     for (size_t i = 0; i < params.size(); ++i) {
-      root_param_nodes_[i] = torch::autograd::impl::try_get_grad_accumulator(params[i]->param());
+      root_param_nodes_[i] =
+          torch_compat::weak_node(torch::autograd::impl::try_get_grad_accumulator(params[i]->param()));
     }
   }
   RootsSinceBackward& r = roots_since_backward();
