@@ -60,6 +60,8 @@ using NodePtr =
 
 // The non-owning handle that goes with NodePtr (std::weak_ptr or
 // c10::weak_intrusive_ptr): lock() gives a NodePtr, null once the node is gone.
+// c10::weak_intrusive_ptr has no default constructor: a container of them
+// grows by push_back, not resize.
 using WeakNodePtr = typename detail::WeakOf<NodePtr>::type;
 
 // A WeakNodePtr to `node` (c10::weak_intrusive_ptr's constructor is explicit).
