@@ -1,7 +1,23 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo   bootstrap, build, train the sharded transformer on 2 local ranks
 #   make test   bootstrap, build, run every test through CTest
-BUILD     ?= build
+# The torch to build against (docs/build.md, "Torch versions"): 2.11.0, the
+# version the GPU machines carry, unless TORCH_VERSION names another of
+# 2.11-2.15. Another version gets its own virtual env and build directories
+# (TORCH_VERSION=2.15.0 make test: .venv-torch2.15.0, build-torch2.15.0), so
+# the default ones are untouched and switching back costs no rebuild.
+DEFAULT_TORCH_VERSION := 2.11.0
+TORCH_VERSION ?= $(DEFAULT_TORCH_VERSION)
+ifeq ($(TORCH_VERSION),$(DEFAULT_TORCH_VERSION))
+TORCH_SUFFIX :=
+else
+TORCH_SUFFIX := -torch$(TORCH_VERSION)
+endif
+FSDP2CPP_VENV ?= .venv$(TORCH_SUFFIX)
+BUILD     ?= build$(TORCH_SUFFIX)
+# bootstrap.sh reads both; CMake is told where the virtual env is.
+export TORCH_VERSION FSDP2CPP_VENV
+CMAKE_TORCH_ARGS = -DFSDP2CPP_VENV=$(abspath $(FSDP2CPP_VENV))
 JOBS      ?= $(shell nproc)
 CTEST_JOBS ?= $(JOBS)
 CMAKE_ARGS ?=
@@ -18,10 +34,10 @@ bootstrap:
 
 $(BUILD)/CMakeCache.txt:
 	@$(MAKE) --no-print-directory bootstrap
-	cmake -S . -B $(BUILD) $(CMAKE_ARGS)
+	cmake -S . -B $(BUILD) $(CMAKE_TORCH_ARGS) $(CMAKE_ARGS)
 
 configure: bootstrap
-	cmake -S . -B $(BUILD) $(CMAKE_ARGS)
+	cmake -S . -B $(BUILD) $(CMAKE_TORCH_ARGS) $(CMAKE_ARGS)
 
 build: $(BUILD)/CMakeCache.txt
 	cmake --build $(BUILD) -j $(JOBS)
@@ -49,7 +65,7 @@ demo: build
 # compiles in about half the time at -O1 -g1 (line tables only, enough for
 # the file:line of every frame in a report), and -O1 is what the sanitizers'
 # own documentation recommends (docs/build.md, "Sanitizers").
-SANITIZE_BUILD  ?= build-sanitize
+SANITIZE_BUILD  ?= build-sanitize$(TORCH_SUFFIX)
 SANITIZE_FLAGS  ?= -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
 SANITIZE_OPT    ?= -O1 -g1 -DNDEBUG
 SANITIZE_LABELS ?= unit|distributed
@@ -57,7 +73,7 @@ SANITIZE_ASAN_OPTIONS ?= detect_leaks=0:protect_shadow_gap=0:alloc_dealloc_misma
 SANITIZE_ENV = ASAN_OPTIONS=$(SANITIZE_ASAN_OPTIONS) UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 # $(call sanitized_configure,DIR,FLAGS)
 define sanitized_configure
-	cmake -S . -B $(1) $(CMAKE_ARGS) "-DCMAKE_CXX_FLAGS=$(2)" "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=$(SANITIZE_OPT)" \
+	cmake -S . -B $(1) $(CMAKE_TORCH_ARGS) $(CMAKE_ARGS) "-DCMAKE_CXX_FLAGS=$(2)" "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=$(SANITIZE_OPT)" \
 	  "-DCMAKE_EXE_LINKER_FLAGS=$(2)" "-DCMAKE_SHARED_LINKER_FLAGS=$(2)"
 endef
 # $(call sanitized_ctest,ENV,DIR,TEST-SUBDIRS): ctest in each tests/ subfolder
@@ -97,7 +113,7 @@ sanitize-core:
 # memory accesses or atomics (reference counts above all), so
 # scripts/tsan.supp silences the reports that involve a LibTorch frame and
 # libstdc++'s exception_ptr, each entry with its reason (docs/build.md).
-TSAN_BUILD   ?= build-tsan
+TSAN_BUILD   ?= build-tsan$(TORCH_SUFFIX)
 TSAN_FLAGS   ?= -fsanitize=thread -fno-omit-frame-pointer
 TSAN_TARGETS ?= collectives_distributed_test fsdp2_training_test fsdp2_divergence_test
 TSAN_DIRS    ?= collectives fsdp2
@@ -129,7 +145,7 @@ LINT_TIDY_FILES = $(addprefix $(CURDIR)/,$(wildcard $(filter %.cc,$(shell git di
                     git ls-files --others --exclude-standard 2>/dev/null))))
 define run_tidy
 	@command -v run-clang-tidy >/dev/null || { echo "tidy: clang-tidy is not installed (apt-get install clang-tidy)"; exit 1; }
-	@cmake -S . -B $(BUILD) -DCMAKE_EXPORT_COMPILE_COMMANDS=ON >/dev/null
+	@cmake -S . -B $(BUILD) $(CMAKE_TORCH_ARGS) -DCMAKE_EXPORT_COMPILE_COMMANDS=ON >/dev/null
 	@bash -o pipefail -c 'run-clang-tidy -p $(BUILD) -j $(TIDY_JOBS) -quiet $(1) 2>&1 | { grep -v -e "warnings generated" -e "^clang-tidy-[0-9]* " || true; }'
 endef
 

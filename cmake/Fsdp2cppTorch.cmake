@@ -29,7 +29,9 @@ function(_fsdp2cpp_is_torch_root dir out)
   endif()
 endfunction()
 
-# torch.__version__ of the package at `dir` (read from its version.py), or "".
+# torch.__version__ of the package at `dir` (read from its version.py), else
+# MAJOR.MINOR.PATCH from its C++ version header (a LibTorch archive has no
+# version.py), or "".
 function(_fsdp2cpp_torch_version dir out)
   set(version "")
   if(EXISTS "${dir}/version.py")
@@ -38,8 +40,25 @@ function(_fsdp2cpp_torch_version dir out)
       set(version "${CMAKE_MATCH_1}")
     endif()
   endif()
+  foreach(header "${dir}/include/torch/headeronly/version.h" "${dir}/include/torch/csrc/api/include/torch/version.h")
+    if(NOT version AND EXISTS "${header}")
+      file(STRINGS "${header}" lines REGEX "^#define TORCH_VERSION_(MAJOR|MINOR|PATCH) ")
+      if(lines MATCHES "MAJOR ([0-9]+).*MINOR ([0-9]+).*PATCH ([0-9]+)")
+        set(version "${CMAKE_MATCH_1}.${CMAKE_MATCH_2}.${CMAKE_MATCH_3}")
+      endif()
+    endif()
+  endforeach()
   set(${out} "${version}" PARENT_SCOPE)
 endfunction()
+
+# [Note: supported torch versions] The build accepts torch 2.11 to 2.15
+# (docs/build.md, "Torch versions", says what was built and run against
+# which): 2.11 is what the GPU machines carry, 2.15 the newest on PyPI when
+# the range was set. LibTorch's C++ API changes between minor versions
+# (collectives/src/torch_compat.h has the differences within the range), so a
+# version outside it is refused rather than tried.
+set(FSDP2CPP_TORCH_MIN_VERSION 2.11)
+set(FSDP2CPP_TORCH_MAX_VERSION 2.15)
 
 # Asks `python` where its torch is: sets <prefix>_ROOT, <prefix>_VERSION and
 # <prefix>_ABI, or <prefix>_ERROR when it cannot import torch.
@@ -183,10 +202,15 @@ if(DEFINED FSDP2CPP_TORCH_RECORDED_ROOT AND NOT FSDP2CPP_TORCH_ROOT)
   set(FSDP2CPP_TORCH_VERSION "${_found_version}")
   message(STATUS "fsdp2cpp: torch ${FSDP2CPP_TORCH_VERSION} at ${FSDP2CPP_TORCH_ROOT} (from ${_how})")
 elseif(NOT FSDP2CPP_TORCH_ROOT)
-  # The build: the torch of FSDP2CPP_PYTHON, default .venv/bin/python.
+  # The build: the torch of FSDP2CPP_PYTHON, default the python of the
+  # virtual env FSDP2CPP_VENV (default .venv; the Makefile passes
+  # .venv-torch<version> for TORCH_VERSION=<version>), else python3.
+  if(NOT FSDP2CPP_VENV)
+    set(FSDP2CPP_VENV "${CMAKE_SOURCE_DIR}/.venv")
+  endif()
   if(NOT FSDP2CPP_PYTHON)
-    if(EXISTS "${CMAKE_SOURCE_DIR}/.venv/bin/python")
-      set(FSDP2CPP_PYTHON "${CMAKE_SOURCE_DIR}/.venv/bin/python")
+    if(EXISTS "${FSDP2CPP_VENV}/bin/python")
+      set(FSDP2CPP_PYTHON "${FSDP2CPP_VENV}/bin/python")
     else()
       find_program(FSDP2CPP_PYTHON NAMES python3 python REQUIRED)
     endif()
@@ -194,12 +218,11 @@ elseif(NOT FSDP2CPP_TORCH_ROOT)
   _fsdp2cpp_torch_from_python("${FSDP2CPP_PYTHON}" _py)
   if(_py_ERROR)
     message(FATAL_ERROR "fsdp2cpp: ${_py_ERROR}. "
-                        "Run scripts/bootstrap.sh, or pass -DFSDP2CPP_PYTHON=<python with torch 2.11>.")
+                        "Run scripts/bootstrap.sh, or pass -DFSDP2CPP_PYTHON=<python with torch 2.11 to 2.15>.")
   endif()
   set(FSDP2CPP_TORCH_ROOT "${_py_ROOT}" CACHE PATH "Root of the torch package (holds include/ and lib/)")
   set(FSDP2CPP_TORCH_CXX11_ABI "${_py_ABI}" CACHE STRING "torch's _GLIBCXX_USE_CXX11_ABI")
   set(FSDP2CPP_TORCH_VERSION "${_py_VERSION}")
-  message(STATUS "fsdp2cpp: torch ${FSDP2CPP_TORCH_VERSION} at ${FSDP2CPP_TORCH_ROOT}")
 elseif(DEFINED FSDP2CPP_TORCH_RECORDED_ROOT)
   # The installed package, given FSDP2CPP_TORCH_ROOT.
   _fsdp2cpp_is_torch_root("${FSDP2CPP_TORCH_ROOT}" _ok)
@@ -211,6 +234,35 @@ elseif(DEFINED FSDP2CPP_TORCH_RECORDED_ROOT)
 endif()
 if(NOT FSDP2CPP_TORCH_VERSION)
   _fsdp2cpp_torch_version("${FSDP2CPP_TORCH_ROOT}" FSDP2CPP_TORCH_VERSION)
+endif()
+if(NOT DEFINED FSDP2CPP_TORCH_RECORDED_ROOT)
+  # The build (the installed package checks the version it was built with,
+  # above): refuse a torch outside the supported range.
+  string(REGEX MATCH "^[0-9]+\\.[0-9]+" _fsdp2cpp_torch_minor "${FSDP2CPP_TORCH_VERSION}")
+  set(_fsdp2cpp_root "${FSDP2CPP_TORCH_ROOT}")
+  string(CONCAT _fsdp2cpp_range_hint
+    "fsdp2cpp builds against torch ${FSDP2CPP_TORCH_MIN_VERSION} to ${FSDP2CPP_TORCH_MAX_VERSION}. "
+    "Use one of those: `TORCH_VERSION=2.15.0 make test` (or any version of the range) makes a "
+    "virtual env with it, or point the build at your own with -DFSDP2CPP_PYTHON=<a python whose "
+    "torch is in the range> or -DFSDP2CPP_TORCH_ROOT=<its site-packages/torch> "
+    "(docs/build.md, \"Torch versions\").")
+  # Refused, the torch is not kept in the cache: the next configure looks again.
+  if(NOT _fsdp2cpp_torch_minor OR _fsdp2cpp_torch_minor VERSION_LESS FSDP2CPP_TORCH_MIN_VERSION OR
+     _fsdp2cpp_torch_minor VERSION_GREATER FSDP2CPP_TORCH_MAX_VERSION)
+    unset(FSDP2CPP_TORCH_ROOT CACHE)
+    unset(FSDP2CPP_TORCH_CXX11_ABI CACHE)
+  endif()
+  if(NOT _fsdp2cpp_torch_minor)
+    message(FATAL_ERROR "fsdp2cpp: cannot tell the version of the torch at ${_fsdp2cpp_root} (no version.py, "
+                        "no include/torch/headeronly/version.h).\n${_fsdp2cpp_range_hint}")
+  endif()
+  if(_fsdp2cpp_torch_minor VERSION_LESS FSDP2CPP_TORCH_MIN_VERSION OR
+     _fsdp2cpp_torch_minor VERSION_GREATER FSDP2CPP_TORCH_MAX_VERSION)
+    message(FATAL_ERROR "fsdp2cpp: the torch at ${_fsdp2cpp_root} is ${FSDP2CPP_TORCH_VERSION}, outside "
+                        "the supported range.\n${_fsdp2cpp_range_hint}")
+  endif()
+  message(STATUS "fsdp2cpp: torch ${FSDP2CPP_TORCH_VERSION} at ${FSDP2CPP_TORCH_ROOT} (supported: "
+                 "${FSDP2CPP_TORCH_MIN_VERSION} to ${FSDP2CPP_TORCH_MAX_VERSION})")
 endif()
 # The Python whose torch the build uses, for the tests and benchmarks that run
 # PyTorch itself (interop checks, PyTorch FSDP2 baselines): FSDP2CPP_PYTHON
@@ -259,6 +311,23 @@ if(NOT TARGET fsdp2cpp::torch)
   # link line; --no-as-needed so it is kept there) makes it the first NEEDED
   # entry: the calls bind to libstdc++, with their GLIBCXX versions, for this
   # program and for every library it loads. docs/build.md has the evidence.
+  # [Note: the C++ standard torch needs] torch 2.11's headers are C++17;
+  # torch 2.15's use C++20 (std::bit_width in c10/core/DispatchKeySet.h,
+  # std::strong_ordering in c10/util/intrusive_ptr.h, `requires` in
+  # ATen/core/TensorBase.h) and its TorchConfig.cmake asks for it with
+  # target_compile_features(torch INTERFACE cxx_std_20). We ask for what the
+  # torch's own config asks for, read from that file, so every target that
+  # links fsdp2cpp::torch (ours and an installed package's consumers) compiles
+  # with at least that standard; the project's CMAKE_CXX_STANDARD (17) stays
+  # the floor.
+  set(_fsdp2cpp_torch_cxx_std cxx_std_17)
+  if(EXISTS "${FSDP2CPP_TORCH_ROOT}/share/cmake/Torch/TorchConfig.cmake")
+    file(STRINGS "${FSDP2CPP_TORCH_ROOT}/share/cmake/Torch/TorchConfig.cmake" _lines
+         REGEX "target_compile_features\\(torch INTERFACE cxx_std_[0-9]+\\)")
+    if(_lines MATCHES "cxx_std_([0-9]+)")
+      set(_fsdp2cpp_torch_cxx_std "cxx_std_${CMAKE_MATCH_1}")
+    endif()
+  endif()
   set(_fsdp2cpp_torch_link_options "LINKER:-rpath,${FSDP2CPP_TORCH_ROOT}/lib")
   if(CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang" AND CMAKE_SYSTEM_NAME STREQUAL "Linux")
     list(APPEND _fsdp2cpp_torch_link_options "LINKER:--push-state,--no-as-needed,-lstdc++,--pop-state")
@@ -268,6 +337,7 @@ if(NOT TARGET fsdp2cpp::torch)
     INTERFACE_INCLUDE_DIRECTORIES "${FSDP2CPP_TORCH_ROOT}/include;${FSDP2CPP_TORCH_ROOT}/include/torch/csrc/api/include"
     INTERFACE_SYSTEM_INCLUDE_DIRECTORIES "${FSDP2CPP_TORCH_ROOT}/include;${FSDP2CPP_TORCH_ROOT}/include/torch/csrc/api/include"
     INTERFACE_COMPILE_DEFINITIONS "_GLIBCXX_USE_CXX11_ABI=${FSDP2CPP_TORCH_CXX11_ABI}"
+    INTERFACE_COMPILE_FEATURES "${_fsdp2cpp_torch_cxx_std}"
     # --no-as-needed: the program itself needs the three libraries, so the
     # loader finds them through the program's -rpath (the torch this
     # configure found) before our libraries, whose RUNPATH names the torch

@@ -5,6 +5,10 @@
 #     carries LibTorch, c10d and the NCCL that torch loads, and the `safetensors`
 #     wheel that torch.distributed.checkpoint's Hugging Face reader needs (the
 #     checkpoint tests check our files against PyTorch itself).
+# TORCH_VERSION chooses another torch of the supported range (2.11-2.15),
+# which gets its own virtual env, .venv-torch$TORCH_VERSION (the Makefile
+# gives it its own build directory too): TORCH_VERSION=2.15.0 make test.
+# FSDP2CPP_VENV names the virtual env instead.
 # On a machine without package access that already has torch 2.11 (our GPU
 # machines), it uses that torch and installs nothing: set FSDP2CPP_PYTHON to
 # its python, or let the script find `python3` with torch importable.
@@ -17,11 +21,29 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-TORCH_VERSION=2.11.0
-VENV=.venv
+# The default is the torch of the GPU machines; the Makefile has the same.
+DEFAULT_TORCH_VERSION=2.11.0
+TORCH_VERSION=${TORCH_VERSION:-$DEFAULT_TORCH_VERSION}
+if [[ "$TORCH_VERSION" == "$DEFAULT_TORCH_VERSION" ]]; then
+  VENV=${FSDP2CPP_VENV:-.venv}
+else
+  VENV=${FSDP2CPP_VENV:-.venv-torch$TORCH_VERSION}
+fi
 APT_PACKAGES=(cmake g++ make ccache libabsl-dev libspdlog-dev libfmt-dev libgtest-dev libgmock-dev libgloo-dev nlohmann-json3-dev clang-format)
 
 say() { echo "bootstrap: $*"; }
+
+# The range cmake/Fsdp2cppTorch.cmake accepts.
+if ! [[ "$TORCH_VERSION" =~ ^2\.(1[1-5])\.[0-9]+$ ]]; then
+  say "TORCH_VERSION=$TORCH_VERSION is not a supported torch: fsdp2cpp builds against torch 2.11 to 2.15" \
+      "(a full version such as 2.15.0; unset, $DEFAULT_TORCH_VERSION)"
+  exit 1
+fi
+if [[ "$TORCH_VERSION" == "$DEFAULT_TORCH_VERSION" ]]; then
+  say "torch $TORCH_VERSION, the default (TORCH_VERSION chooses another of 2.11-2.15)"
+else
+  say "torch $TORCH_VERSION, from TORCH_VERSION"
+fi
 
 # Unpacks every .deb of $FSDP2CPP_DEBS into $1, once per set of files.
 unpack_debs() {
@@ -98,11 +120,19 @@ else
   fi
 fi
 
-has_torch() { "$1" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('$TORCH_VERSION') else 1)" 2>/dev/null; }
+# Whether python $1 imports torch $TORCH_VERSION (any local build: +cu130, +cpu).
+has_torch() { "$1" -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0] == '$TORCH_VERSION' else 1)" 2>/dev/null; }
 
 if [[ -n "${FSDP2CPP_PYTHON:-}" ]]; then
-  has_torch "$FSDP2CPP_PYTHON" || { say "FSDP2CPP_PYTHON=$FSDP2CPP_PYTHON has no torch $TORCH_VERSION"; exit 1; }
-  say "using torch from $FSDP2CPP_PYTHON"
+  if ! has_torch "$FSDP2CPP_PYTHON"; then
+    if found=$("$FSDP2CPP_PYTHON" -c "import torch; print(torch.__version__)" 2>/dev/null); then
+      say "FSDP2CPP_PYTHON=$FSDP2CPP_PYTHON has torch $found, not $TORCH_VERSION (set TORCH_VERSION to the version it has)"
+    else
+      say "FSDP2CPP_PYTHON=$FSDP2CPP_PYTHON cannot import torch (wanted $TORCH_VERSION)"
+    fi
+    exit 1
+  fi
+  say "using torch $TORCH_VERSION from FSDP2CPP_PYTHON=$FSDP2CPP_PYTHON"
 elif [[ -x $VENV/bin/python ]] && has_torch $VENV/bin/python; then
   say "virtual env $VENV has torch $TORCH_VERSION"
 elif [[ "${FSDP2CPP_NO_PIP:-0}" != 1 ]] && python3 -m venv --help >/dev/null 2>&1 &&

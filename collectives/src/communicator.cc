@@ -26,6 +26,7 @@
 #include "join_ranks.h"
 #include "multi_work.h"
 #include "stream_check/stream_check.h"
+#include "torch_compat.h"
 
 namespace fsdp::collectives {
 namespace {
@@ -43,7 +44,7 @@ c10d::ReduceOp to_c10d(const ReduceOp& op, bool native) {
       if (native) return c10d::ReduceOp::AVG;
       return c10d::ReduceOp::SUM;
     case ReduceOp::Kind::kPremulSum:
-      if (native) return c10d::makeNCCLPreMulSum(op.factor());
+      if (native) return torch_compat::make_premul_sum(op.factor());
       return c10d::ReduceOp::SUM;
   }
   TORCH_INTERNAL_ASSERT(false, "unknown ReduceOp kind");

@@ -443,9 +443,11 @@ RootsSinceBackward& roots_since_backward() {
 void FSDPState::after_root_forward_with_grad() {
   if (group_) {
     const auto& params = group_->params();
-    root_param_nodes_.resize(params.size());
-    for (size_t i = 0; i < params.size(); ++i) {
-      root_param_nodes_[i] = torch::autograd::impl::try_get_grad_accumulator(params[i]->param());
+    root_param_nodes_.clear();  // not resize(): c10::weak_intrusive_ptr has no default constructor
+    root_param_nodes_.reserve(params.size());
+    for (const auto& param : params) {
+      root_param_nodes_.push_back(
+          torch_compat::weak_node(torch::autograd::impl::try_get_grad_accumulator(param->param())));
     }
   }
   RootsSinceBackward& r = roots_since_backward();

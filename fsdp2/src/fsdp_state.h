@@ -16,10 +16,7 @@
 
 #include "fsdp2/fully_shard.h"
 #include "fsdp_param_group.h"
-
-namespace torch::autograd {
-struct Node;
-}  // namespace torch::autograd
+#include "torch_compat.h"
 
 namespace fsdp::detail {
 
@@ -187,7 +184,7 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   std::string fqn_;
   // The root's parameters' AccumulateGrad nodes at the end of its last
   // forward in grad mode, in group order (see check_root_called_through_hooks).
-  std::vector<std::weak_ptr<torch::autograd::Node>> root_param_nodes_;
+  std::vector<torch_compat::WeakNodePtr> root_param_nodes_;
 };
 
 // The state fully_shard attached to `module`, or null.

@@ -103,8 +103,12 @@ def _object_collectives_without_numpy():
     so do that step with torch alone."""
     import torch.distributed.distributed_c10d as c10d
 
-    def tensor_to_object(tensor, tensor_size, group):
+    # torch 2.15 passes a fourth argument, weights_only (torch.load's
+    # restricted unpickler instead of pickle's); 2.11 passes three.
+    def tensor_to_object(tensor, tensor_size, group, weights_only=False):
         buf = bytes(tensor.cpu()[:tensor_size].tolist())
+        if weights_only:
+            return torch.load(io.BytesIO(buf), weights_only=True)
         return c10d._unpickler(io.BytesIO(buf)).load()
 
     c10d._tensor_to_object = tensor_to_object

@@ -12,7 +12,8 @@
 # dependency files: the system's copies in /usr/include are also on this
 # machine) and load spdlog from it (ldd).
 # usage: offline_build_test.sh SOURCE_DIR WORK_DIR
-# The torch is FSDP2CPP_PYTHON's, else SOURCE_DIR/.venv's, else python3's.
+# The torch is FSDP2CPP_PYTHON's (CTest sets it to the build's, with TORCH_VERSION),
+# else SOURCE_DIR/.venv's, else python3's.
 set -euo pipefail
 src=$1 work=$2
 python=${FSDP2CPP_PYTHON:-}
