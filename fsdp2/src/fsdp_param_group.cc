@@ -875,8 +875,8 @@ collectives::Work FSDPParamGroup::issue_reduce_scatter(const at::Tensor& output,
   try {
     return custom_reduce_scatter_->reduce_scatter(output, input, op, comm);
   } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "fsdp2: ", group_label(module_fqn_), ": the custom reduce-scatter failed on ", comm.name(),
-                ": ", e.what_without_backtrace());
+    TORCH_CHECK(false, "fsdp2: ", group_label(module_fqn_), ": the custom reduce-scatter failed on ", comm.name(), ": ",
+                e.what_without_backtrace());
   }
 }
 
