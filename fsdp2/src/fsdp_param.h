@@ -107,6 +107,10 @@ class FSDPParam {
   const std::string& fqn() const { return fqn_; }
   void set_fqn(std::string fqn);
   ShardedState state() const { return state_; }
+  // The sharded gradient: the parameter's .grad while sharded, the copy kept
+  // aside while the group stays unsharded after backward
+  // (reshard_after_backward false). Undefined before the first reduction.
+  const at::Tensor& sharded_grad() const { return state_ == ShardedState::kSharded ? param_.grad() : sharded_grad_; }
 
   // The tensor dim the parameter is sharded on (normalized, 0 for a 0-dim
   // parameter); see [Note: shard dim].

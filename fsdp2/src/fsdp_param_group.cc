@@ -736,8 +736,9 @@ void FSDPParamGroup::wait_for_post_backward() {
     offset += p->padded_shard_numel();
     // A gradient made here (cast to the parameter's dtype, or a first
     // accumulation) is another block of this stream's, read and freed on the
-    // caller's.
-    if (caller && !p->param().grad().is_alias_of(pending.output)) StreamSet::record_stream(p->param().grad(), caller);
+    // caller's. A group left unsharded keeps it aside, not in .grad.
+    const at::Tensor& grad = p->sharded_grad();
+    if (caller && grad.defined() && !grad.is_alias_of(pending.output)) StreamSet::record_stream(grad, caller);
   }
   // Optimizer-in-backward: the hooks see the sharded gradient, as in FSDP2.
   for (FSDPParam* p : pending.params) p->run_post_accumulate_grad_hooks();
