@@ -241,7 +241,14 @@ void Communicator::check_tensor(const at::Tensor& t, const char* op, const char*
 }
 
 bool Communicator::native_op(const ReduceOp& op) const {
-  if (backend_kind_ == BackendKind::kNccl) return true;
+  if (backend_kind_ == BackendKind::kNccl) {
+    // At one rank NCCL copies instead of reducing: it drops PREMUL_SUM's
+    // factor (seen on an H100 with NCCL 2.28.9: the output was the input)
+    // and, before 2.29.7, leaves the tail of an AVG output unwritten
+    // (pytorch#144045). SUM, then the finishing step, is exact there.
+    const bool scaled = op.kind() == ReduceOp::Kind::kAvg || op.kind() == ReduceOp::Kind::kPremulSum;
+    return !(scaled && size() == 1);
+  }
   // Gloo: no PREMUL_SUM at all, and AVG on reduce-scatter is not dependable
   // across versions (pytorch/pytorch#162338).
   return op.kind() == ReduceOp::Kind::kSum || op.kind() == ReduceOp::Kind::kMax || op.kind() == ReduceOp::Kind::kMin;

@@ -26,9 +26,13 @@ struct Entry {
 
 class Registry {
  public:
+  // Never destroyed: an exit-time destruction would free the states of
+  // modules still registered (and of dead ones not yet swept) after
+  // LibTorch's own statics, e.g. pinned host shards after the CUDA host
+  // allocator (seen on a GPU: "Unrecognized stream" and SIGSEGV at exit).
   static Registry& instance() {
-    static Registry registry;
-    return registry;
+    static Registry* registry = new Registry();
+    return *registry;
   }
 
   template <typename F>
