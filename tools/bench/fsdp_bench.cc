@@ -18,11 +18,11 @@
 
 #include <ATen/ATen.h>
 #include <absl/flags/flag.h>
-#include <absl/flags/parse.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adamw.h>
 
 #include "collectives/world.h"
+#include "command_line.h"
 #include "config.h"
 #include "device_mesh/device_mesh.h"
 #include "fsdp2/fully_shard.h"
@@ -143,17 +143,6 @@ int run_rank() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const std::vector<std::string> args = fsdp_train::normalize_flag_names(argc, argv);
-  std::vector<char*> argv2;
-  for (const auto& a : args) argv2.push_back(const_cast<char*>(a.c_str()));
-  absl::ParseCommandLine(static_cast<int>(argv2.size()), argv2.data());
-  const int nproc = absl::GetFlag(FLAGS_nproc);
-  if (std::getenv("RANK") == nullptr) {
-    if (nproc < 1) {
-      std::fprintf(stderr, "fsdp_bench: --nproc must be at least 1 (got %d)\n", nproc);
-      return 2;
-    }
-    return fsdp::launch::launch_local_ranks(nproc, fsdp_train::remove_flag(args, "nproc"));
-  }
-  return run_rank();
+  const std::vector<std::string> args = fsdp_train::parse_command_line(argc, argv);
+  return fsdp_train::run_rank_or_launch("fsdp_bench", absl::GetFlag(FLAGS_nproc), args, run_rank);
 }

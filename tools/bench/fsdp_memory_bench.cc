@@ -23,9 +23,9 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "bench_util.h"
+#include "command_line.h"
 #include "config.h"
 #include "model.h"
 
@@ -63,10 +63,7 @@ struct Measure {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("peak memory per extra block, fsdp2cpp vs PyTorch FSDP2 (see docs/benchmarks.md)");
-  const std::vector<std::string> args = fsdp_train::normalize_flag_names(argc, argv);
-  std::vector<char*> cargs;
-  for (const auto& a : args) cargs.push_back(const_cast<char*>(a.c_str()));
-  absl::ParseCommandLine(static_cast<int>(cargs.size()), cargs.data());
+  const std::vector<std::string> args = fsdp_train::parse_command_line(argc, argv);
 
   bench::Programs programs = bench::default_programs();
   if (!absl::GetFlag(FLAGS_trainer).empty()) programs.trainer = absl::GetFlag(FLAGS_trainer);

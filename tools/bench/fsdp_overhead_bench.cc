@@ -33,11 +33,11 @@
 #include <torch/utils.h>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "bench_util.h"
 #include "collectives/flight_recorder.h"
 #include "collectives/world.h"
+#include "command_line.h"
 #include "config.h"
 #include "device_mesh/device_mesh.h"
 #include "fsdp2/fully_shard.h"
@@ -158,10 +158,7 @@ int run_rank() {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("host overhead per fully_shard group, fsdp2cpp vs PyTorch FSDP2 (docs/benchmarks.md)");
-  const std::vector<std::string> args = fsdp_train::normalize_flag_names(argc, argv);
-  std::vector<char*> cargs;
-  for (const auto& a : args) cargs.push_back(const_cast<char*>(a.c_str()));
-  absl::ParseCommandLine(static_cast<int>(cargs.size()), cargs.data());
+  const std::vector<std::string> args = fsdp_train::parse_command_line(argc, argv);
   if (std::getenv("RANK") != nullptr) return run_rank();
 
   const int nproc = absl::GetFlag(FLAGS_nproc);

@@ -29,10 +29,10 @@
 #include <c10/util/Exception.h>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
 #include "collectives/world.h"
+#include "command_line.h"
 #include "config.h"
 #include "data.h"
 #include "launch/launch.h"
@@ -184,11 +184,9 @@ int main(int argc, char** argv) {
       "  torchrun --nproc-per-node 2 --no-python fsdp_train [flags]\n"
       "Flags may be written with dashes or underscores (--global-batch / --global_batch).");
   // Abseil's flag names use underscores; accept dashes too.
-  std::vector<std::string> args = fsdp_train::normalize_flag_names(argc, argv);
-  std::vector<char*> cargs;
-  for (auto& a : args) cargs.push_back(a.data());
-  const std::vector<char*> positional = absl::ParseCommandLine(static_cast<int>(cargs.size()), cargs.data());
-  if (positional.size() > 1) return fail(std::string("unexpected argument '") + positional[1] + "' (see --help)", 2);
+  std::vector<std::string> positional;
+  std::vector<std::string> args = fsdp_train::parse_command_line(argc, argv, &positional);
+  if (positional.size() > 1) return fail("unexpected argument '" + positional[1] + "' (see --help)", 2);
 
   const fsdp_train::TrainConfig config = config_from_flags();
   const std::optional<int> nproc = absl::GetFlag(FLAGS_nproc);
