@@ -117,6 +117,19 @@ class CustomCollectives : public ::testing::TestWithParam<int> {};
 
 // ---- Pass-through custom collectives ----
 
+// Trains `o` sharded, and expects the losses and parameters of the unsharded
+// reference trained the same way.
+TrainedRun train_sharded_matching_reference(testing::RankContext& ctx, const RunOptions& o) {
+  TrainedRun run = train_sharded(ctx, o);
+  std::shared_ptr<LossModel> reference;
+  const std::vector<double> ref_losses = train_reference(o, &reference);
+  for (size_t i = 0; i < ref_losses.size(); ++i) {
+    EXPECT_NEAR(run.losses[i], ref_losses[i], 1e-5 * std::abs(ref_losses[i]) + 1e-7) << "step " << i;
+  }
+  expect_params_match(*run.model, *reference, ctx.mesh());
+  return run;
+}
+
 void expect_pass_through_matches_reference(testing::RankContext& ctx, RunOptions o, const std::string& name) {
   SCOPED_TRACE(name);
   auto all_gather = std::make_shared<CountingAllGather>();
@@ -125,13 +138,7 @@ void expect_pass_through_matches_reference(testing::RankContext& ctx, RunOptions
     m.set_custom_all_gather(all_gather);  // one object for every module
     m.set_custom_reduce_scatter(reduce_scatter);
   };
-  const TrainedRun run = train_sharded(ctx, o);
-  std::shared_ptr<LossModel> reference;
-  const std::vector<double> ref_losses = train_reference(o, &reference);
-  for (size_t i = 0; i < ref_losses.size(); ++i) {
-    EXPECT_NEAR(run.losses[i], ref_losses[i], 1e-5 * std::abs(ref_losses[i]) + 1e-7) << "step " << i;
-  }
-  expect_params_match(*run.model, *reference, ctx.mesh());
+  const TrainedRun run = train_sharded_matching_reference(ctx, o);
   // Every all-gather and reduce-scatter went through them, one rank included
   // (no world size 1 fast path), each with its own allocations.
   EXPECT_GT(run.stats.all_gathers, 0);
@@ -166,13 +173,7 @@ TEST_P(CustomCollectives, NullRestoresTheDefault) {
       m.set_custom_all_gather(nullptr);  // the default again
       m.set_custom_reduce_scatter(nullptr);
     };
-    const TrainedRun run = train_sharded(ctx, o);
-    std::shared_ptr<LossModel> reference;
-    const std::vector<double> ref_losses = train_reference(o, &reference);
-    for (size_t i = 0; i < ref_losses.size(); ++i) {
-      EXPECT_NEAR(run.losses[i], ref_losses[i], 1e-5 * std::abs(ref_losses[i]) + 1e-7) << "step " << i;
-    }
-    expect_params_match(*run.model, *reference, ctx.mesh());
+    const TrainedRun run = train_sharded_matching_reference(ctx, o);
     EXPECT_EQ(all_gather->calls, 0);
     // At one rank the group is back on the fast path: no collective at all.
     if (ctx.world_size() == 1) {
