@@ -572,6 +572,12 @@ void FSDPModule::set_force_sum_reduction_for_comms(bool force_sum) {
 }
 
 void FSDPModule::set_all_reduce_hook(std::function<void(at::Tensor&)> hook, std::optional<c10::Stream> stream) {
+  for (const auto& g : state_->groups()) {
+    TORCH_CHECK(!stream || g->mesh().ndim() == 1, "set_all_reduce_hook: a stream was given, but module's mesh ",
+                g->mesh().to_string(),
+                " is 2-D (HSDP), where the hook runs on the HSDP all-reduce stream after the all-reduce; pass no "
+                "stream");
+  }
   TORCH_CHECK(!stream || state_->mesh().ndim() == 1,
               "set_all_reduce_hook: a stream was given, but module's mesh is 2-D (HSDP), where the hook runs on "
               "the HSDP all-reduce stream after the all-reduce; pass no stream");
