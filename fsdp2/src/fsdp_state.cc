@@ -604,8 +604,9 @@ void FSDPState::pre_backward() {
   training_state_ = TrainingState::kPreBackward;
   register_final_callback();
   const bool default_prefetch = backward_prefetch.empty();
-  // Groups in reverse, as FSDP2: the last group to run forward runs its
-  // backward first.
+  // Groups in reverse, the order of their backward (FSDP2 goes forward
+  // here; either way every group is unsharded before this backward goes on,
+  // and each default prefetch issues the group before it in forward order).
   for (auto it = groups_.rbegin(); it != groups_.rend(); ++it) (*it)->pre_backward(default_prefetch);
   if (!default_prefetch) {
     for (const auto& w : backward_prefetch) {

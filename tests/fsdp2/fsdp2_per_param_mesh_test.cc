@@ -369,6 +369,43 @@ TEST_P(PerParamMesh, OptimizerStateDictRoundTrips) {
   });
 }
 
+// fully_shard({l0, l1}) with per-parameter meshes: one call, two groups
+// (both routers; all six experts), each parameter named from its own module;
+// SGD steps follow the reference.
+TEST_P(PerParamMesh, SeveralModulesInOneCallGroupByMesh) {
+  testing::run_distributed(GetParam(), [](testing::RankContext& ctx) {
+    const int rank = ctx.rank(), world = ctx.world_size();
+    const Meshes meshes = make_meshes(ctx);
+    auto reference = make_moe();
+    auto model = make_moe();
+    FullyShardOptions o;
+    o.mesh = meshes.dense;
+    o.shard_placement_fn = experts_on(*model, meshes.expert);
+    fully_shard({model->l0.ptr(), model->l1.ptr()}, o);
+    fully_shard(model, o);
+    auto optim = make_optimizer(Optim::kSgd, model->parameters());
+    auto ref_optim = make_optimizer(Optim::kSgd, reference->parameters());
+    for (int step = 0; step < 2; ++step) {
+      const Batch batch = moe_batch(step);
+      ref_optim->zero_grad();
+      reference->forward(batch.x, batch.y).backward();
+      ref_optim->step();
+      const Batch mine = batch.slice(rank, world);
+      optim->zero_grad();
+      call_module(*model, mine.x, mine.y).backward();
+      optim->step();
+      expect_params_match_reference(*model, *reference, meshes, "step " + std::to_string(step));
+    }
+    if (world == 1) return;
+    // Per step: one reduce-scatter for the routers' group, one for the
+    // experts', one for the root's.
+    std::map<std::string, int> rs_on;
+    for (const auto& r : fsdp_records(ctx, "reduce_scatter_tensor", "FSDP::reduce_scatter")) ++rs_on[r.communicator];
+    EXPECT_EQ(rs_on[meshes.dense.group(0)->id()], 2 * 2);
+    EXPECT_EQ(rs_on[meshes.expert.group(meshes.expert.ndim() - 1)->id()], 2 * 1);
+  });
+}
+
 INSTANTIATE_TEST_SUITE_P(WorldSizes, PerParamMesh, ::testing::Values(1, 2, 3, 4),
                          [](const auto& info) { return "world" + std::to_string(info.param); });
 

@@ -239,8 +239,8 @@ struct FullyShardOptions {
   // fully_shard throws, naming the module and the parameter, when it returns
   // a placement that is not a Shard or a dim the parameter lacks (a 0-dim
   // parameter, sharded as one row, takes dim 0 only), or a mesh that is
-  // neither 1-D nor (replicate, shard) 2-D, that this rank is not in, or on
-  // another device type than `mesh`.
+  // neither 1-D nor (replicate, shard) 2-D, or on another device type than
+  // `mesh`.
   std::function<ShardPlacementResult(const at::Tensor& param)> shard_placement_fn;
 };
 
@@ -305,7 +305,9 @@ class FSDPModule {
   // The modules sharded together as this group, in the order given to
   // fully_shard: one, or several for fully_shard(std::vector<...>).
   std::vector<std::shared_ptr<torch::nn::Module>> modules() const;
-  // The mesh the module is sharded over.
+  // The mesh the module is sharded over: FullyShardOptions::mesh (or its
+  // default). Parameters that shard_placement_fn put on another mesh are
+  // sharded over that one (their state-dict DTensors carry it).
   const DeviceMesh& mesh() const;
 
   // All-gathers the module's parameters so they are unsharded, as before its
