@@ -28,6 +28,7 @@
 
 #include "checkpoint/sharded.h"
 #include "collectives/flight_recorder.h"
+#include "fsdp2/custom_collectives.h"
 #include "fsdp2/state_dict.h"
 #include "fsdp2_test_util.h"
 
@@ -491,8 +492,11 @@ TEST(PerParamMeshErrors, BadMeshesAreRefused) {
     o.shard_placement_fn = [&](const at::Tensor&) -> ShardPlacementResult { return {Placement::shard(3), other}; };
     EXPECT_THROW_WITH(fully_shard(model->l0, o), "'router.weight'", "has no dim 3");
     // None of the failed calls left a state behind.
-    o.shard_placement_fn = experts_on(*model->l0, other);
-    EXPECT_NO_THROW(fully_shard(model->l0, o));
+    o.shard_placement_fn = experts_on(*model, other);
+    FSDPModule l0 = fully_shard(model->l0, o);
+    // Custom collectives need one group.
+    EXPECT_THROW_WITH(l0.set_custom_all_gather(std::make_shared<Int8AllGather>(64)), "set_custom_all_gather",
+                      "2 parameter groups", "per-parameter meshes");
   });
 }
 
