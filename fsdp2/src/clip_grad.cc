@@ -53,13 +53,15 @@ ModelGrads collect_grads(const FSDPModule& root, const char* api) {
   std::unordered_map<const c10::TensorImpl*, const detail::FSDPParam*> managed;
   for (const auto& item : root.module().named_modules(/*name_prefix=*/"", /*include_self=*/true)) {
     auto state = detail::state_of(*item.value());
-    if (!state || !state->group()) continue;
-    const auto& comm = state->group()->mesh().group(state->group()->mesh().ndim() - 1);
-    TORCH_CHECK(comm->global_ranks() == out.shard_comm->global_ranks(), "fsdp2: ", api, ": module '", item.key(),
-                "' is sharded over ", comm->name(), " but the root over ", out.shard_comm->name(),
-                "; the norm of a model sharded over different groups is not defined here. Shard every module over "
-                "the root's mesh.");
-    for (const auto& p : state->group()->params()) managed.emplace(p->param().unsafeGetTensorImpl(), p.get());
+    if (!state) continue;
+    for (const auto& group : state->groups()) {
+      const auto& comm = group->mesh().group(group->mesh().ndim() - 1);
+      TORCH_CHECK(comm->global_ranks() == out.shard_comm->global_ranks(), "fsdp2: ", api, ": module '", item.key(),
+                  "' is sharded over ", comm->name(), " but the root over ", out.shard_comm->name(),
+                  "; the norm of a model sharded over different groups (per-parameter meshes included) is not "
+                  "defined here. Shard every module over the root's mesh.");
+      for (const auto& p : group->params()) managed.emplace(p->param().unsafeGetTensorImpl(), p.get());
+    }
   }
   std::unordered_set<const c10::TensorImpl*> seen;
   for (const auto& item : root.module().named_parameters(/*recurse=*/true)) {

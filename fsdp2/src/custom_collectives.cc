@@ -138,6 +138,10 @@ std::string module_label(const detail::FSDPState& state) {
 
 // The group a custom collective is set on, checked to be between steps.
 detail::FSDPParamGroup& group_for_custom(const detail::FSDPState& state, const char* method) {
+  TORCH_CHECK(state.groups().size() <= 1, method, ": ", module_label(state), " has ", state.groups().size(),
+              " parameter groups, one per mesh that shard_placement_fn chose (per-parameter meshes); custom "
+              "collectives are set on a module with one group: give the parameters on other meshes to a submodule "
+              "sharded by its own fully_shard call");
   detail::FSDPParamGroup* g = state.group();
   TORCH_CHECK(g != nullptr, method, ": ", module_label(state),
               " has no parameters of its own (its submodules' groups hold them all), so it has no all-gather or "

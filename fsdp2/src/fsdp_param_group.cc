@@ -89,7 +89,8 @@ int FSDPCommContext::max_input_buffers() {
   int result = 1;
   for (const auto& w : states) {
     auto s = w.lock();
-    if (s && s->group()) result = std::max(result, s->group()->settings().reduce_scatter_max_input_buffers);
+    if (!s) continue;
+    for (const auto& g : s->groups()) result = std::max(result, g->settings().reduce_scatter_max_input_buffers);
   }
   max_input_buffers_ = result;
   return result;

@@ -21,17 +21,37 @@
 namespace fsdp::detail {
 
 FSDPState::FSDPState(const std::vector<std::shared_ptr<torch::nn::Module>>& modules, DeviceMesh mesh,
-                     c10::Device device, std::unique_ptr<FSDPParamGroup> group,
+                     c10::Device device, std::vector<std::unique_ptr<FSDPParamGroup>> groups,
                      std::optional<ReshardAfterForward> reshard_after_forward, MixedPrecisionPolicy mp_policy)
     : modules_(modules.begin(), modules.end()),
       mesh_(std::move(mesh)),
       device_(device),
-      group_(std::move(group)),
+      groups_(std::move(groups)),
       auto_reshard_after_forward_(!reshard_after_forward.has_value()),
       mp_policy_(mp_policy) {
-  if (group_) {
-    group_->settings().reshard_after_forward = !reshard_after_forward || reshard_after_forward->world_size() != 1;
+  for (const auto& g : groups_) {
+    g->settings().reshard_after_forward = !reshard_after_forward || reshard_after_forward->world_size() != 1;
   }
+}
+
+FSDPParamGroup* FSDPState::group() const {
+  if (groups_.empty()) return nullptr;
+  if (groups_.size() > 1) {
+    std::string meshes;
+    for (const auto& g : groups_) meshes += (meshes.empty() ? "" : ", ") + g->mesh().to_string();
+    TORCH_CHECK(false, "fsdp2: module '", fqn_.empty() ? module()->name() : fqn_, "' has ", groups_.size(),
+                " parameter groups (per-parameter meshes ", meshes,
+                "), but this operation expects one; iterate over FSDPState::groups()");
+  }
+  return groups_.front().get();
+}
+
+std::vector<FSDPParam*> FSDPState::all_params() const {
+  std::vector<FSDPParam*> result;
+  for (const auto& g : groups_) {
+    for (const auto& p : g->params()) result.push_back(p.get());
+  }
+  return result;
 }
 
 std::shared_ptr<torch::nn::Module> FSDPState::module() const {
@@ -110,32 +130,35 @@ void FSDPState::lazy_init() {
       state->fqn_ += (state->fqn_.empty() ? "" : "+") + it->second;
     }
   }
-  if (group_ && auto_reshard_after_forward_) {
+  if (auto_reshard_after_forward_) {
     // The root's parameters would be freed and all-gathered again at once
     // when backward starts, so the root keeps them (FSDP2's default).
-    group_->settings().reshard_after_forward = false;
-    group_->clear_post_forward_comm();
+    for (const auto& g : groups_) {
+      g->settings().reshard_after_forward = false;
+      g->clear_post_forward_comm();
+    }
   }
   for (const auto& weak : ctx_->all_states) {
     auto state = weak.lock();
-    if (!state->group_) continue;
     const std::string prefix = state->fqn_.empty() ? "" : state->fqn_ + ".";
-    const auto& params = state->group_->params();
-    if (state->modules_.size() > 1) {
-      // Each parameter is named from the module of the group that owns it.
-      const auto group_modules = state->modules();
-      for (size_t i = 0; i < params.size(); ++i) {
-        const auto& [owner, name] = state->param_owners_.at(i);
-        const std::string& owner_fqn = module_fqns.at(group_modules.at(owner).get());
-        params[i]->set_fqn(owner_fqn.empty() ? name : owner_fqn + "." + name);
+    for (size_t gi = 0; gi < state->groups_.size(); ++gi) {
+      FSDPParamGroup* group = state->groups_[gi].get();
+      const auto& params = group->params();
+      if (state->modules_.size() > 1) {
+        // Each parameter is named from the module of the group that owns it.
+        const auto group_modules = state->modules();
+        for (size_t i = 0; i < params.size(); ++i) {
+          const auto& [owner, name] = state->param_owners_.at(gi).at(i);
+          const std::string& owner_fqn = module_fqns.at(group_modules.at(owner).get());
+          params[i]->set_fqn(owner_fqn.empty() ? name : owner_fqn + "." + name);
+        }
+      } else {
+        for (const auto& p : params) {
+          if (p->fqn().rfind(prefix, 0) != 0) p->set_fqn(prefix + p->fqn());
+        }
       }
-      state->group_->lazy_init(ctx_->comm.get(), state->fqn_);
-      continue;
+      group->lazy_init(ctx_->comm.get(), state->fqn_);
     }
-    for (const auto& p : params) {
-      if (p->fqn().rfind(prefix, 0) != 0) p->set_fqn(prefix + p->fqn());
-    }
-    state->group_->lazy_init(ctx_->comm.get(), state->fqn_);
   }
   ctx_->comm->states.insert(ctx_->comm->states.end(), ctx_->all_states.begin(), ctx_->all_states.end());
   ctx_->comm->invalidate_max_input_buffers();
@@ -154,18 +177,20 @@ void FSDPState::check_ranks_hold_the_same_model() const {
   std::vector<std::string> lines;
   for (const auto& weak : ctx_->all_states) {
     auto state = weak.lock();
-    if (!state->group_) {
+    if (state->groups_.empty()) {
       lines.push_back(c10::str("fully_shard module '", state->fqn_, "' with no parameters"));
       continue;
     }
-    auto* group = state->group_.get();
-    lines.push_back(c10::str("fully_shard group '", state->fqn_, "' of ", state->modules_.size(), " module(s) with ",
-                             group->params().size(), " parameter(s), reshard_after_forward ",
-                             group->settings().reshard_after_forward ? "true" : "false"));
-    for (const auto& p : group->params()) {
-      lines.push_back(c10::str("parameter '", p->fqn(), "' of shape ", c10::IntArrayRef(p->unsharded_shape()),
-                               ", dtype ", p->orig_dtype(), ", requires_grad ",
-                               p->param().requires_grad() ? "true" : "false", ", sharded on dim ", p->shard_dim()));
+    for (const auto& group : state->groups_) {
+      lines.push_back(c10::str("fully_shard group '", state->fqn_, "' of ", state->modules_.size(), " module(s) with ",
+                               group->params().size(), " parameter(s) over a ", group->mesh().ndim(), "-D mesh of ",
+                               group->mesh().size(), " rank(s), reshard_after_forward ",
+                               group->settings().reshard_after_forward ? "true" : "false"));
+      for (const auto& p : group->params()) {
+        lines.push_back(c10::str("parameter '", p->fqn(), "' of shape ", c10::IntArrayRef(p->unsharded_shape()),
+                                 ", dtype ", p->orig_dtype(), ", requires_grad ",
+                                 p->param().requires_grad() ? "true" : "false", ", sharded on dim ", p->shard_dim()));
+      }
     }
   }
   PhaseScope phase("FSDP::lazy_init (model fingerprint)");
@@ -180,9 +205,10 @@ void FSDPState::pre_forward(TensorRefs& inputs) {
   if (training_state_ == TrainingState::kPreBackward) {
     // Recomputation during backward (activation checkpointing): the
     // pre-backward hook owns the unshard; only make sure it happened.
-    if (group_ && !group_->is_unsharded()) {
-      group_->unshard(false);
-      group_->wait_for_unshard();
+    for (const auto& g : groups_) {
+      if (g->is_unsharded()) continue;
+      g->unshard(false);
+      g->wait_for_unshard();
     }
     return;
   }
@@ -201,31 +227,38 @@ void FSDPState::pre_forward(TensorRefs& inputs) {
       }
     }
   }
-  if (group_) group_->pre_forward(inputs);
+  for (const auto& g : groups_) g->pre_forward(inputs);
   if (!forward_prefetch.empty()) {
     for (const auto& weak : forward_prefetch) {
       auto target = weak.lock();
-      if (target && target->group_ && prefetch_unshard(target->group_.get(), TrainingState::kForward)) {
-        ctx_->forward_prefetched.push_back(target);
-      }
+      if (!target) continue;
+      bool issued = false;
+      for (const auto& g : target->groups_) issued |= prefetch_unshard(g.get(), TrainingState::kForward);
+      if (issued) ctx_->forward_prefetched.push_back(target);
     }
-  } else if (group_ && !ctx_->comm->streams.enabled()) {
+  } else if (!groups_.empty() && !ctx_->comm->streams.enabled()) {
     implicit_forward_prefetch(ctx_->forward_order.size());
   }
-  if (group_) ctx_->forward_order.push_back(weak_from_this());
+  if (!groups_.empty()) ctx_->forward_order.push_back(weak_from_this());
 }
 
 void FSDPState::implicit_forward_prefetch(size_t position) {
   const std::vector<std::weak_ptr<FSDPState>>& last = ctx_->last_forward_order;
   if (position + 1 >= last.size() || last[position].lock().get() != this) return;
   auto target = last[position + 1].lock();
-  if (!target || !target->group_ || target->group_->fast_path()) return;
-  if (prefetch_unshard(target->group_.get(), TrainingState::kForward)) ctx_->forward_prefetched.push_back(target);
+  if (!target) return;
+  bool issued = false;
+  for (const auto& g : target->groups_) {
+    if (!g->fast_path()) issued |= prefetch_unshard(g.get(), TrainingState::kForward);
+  }
+  if (issued) ctx_->forward_prefetched.push_back(target);
 }
 
 void FSDPState::discard_unused_forward_prefetches() {
   for (const auto& weak : ctx_->forward_prefetched) {
-    if (auto target = weak.lock(); target && target->group_) target->group_->discard_all_gather();
+    if (auto target = weak.lock()) {
+      for (const auto& g : target->groups_) g->discard_all_gather();
+    }
   }
   ctx_->forward_prefetched.clear();
 }
@@ -295,18 +328,21 @@ void FSDPState::root_pre_forward(TensorRefs& inputs) {
 bool FSDPState::any_group_on_fast_path() const {
   for (const auto& weak : ctx_->all_states) {
     auto s = weak.lock();
-    if (s && s->group_ && s->group_->fast_path()) return true;
+    if (!s) continue;
+    for (const auto& g : s->groups_) {
+      if (g->fast_path()) return true;
+    }
   }
   return false;
 }
 
 void FSDPState::post_forward(TensorRefs& outputs) {
   if (training_state_ == TrainingState::kPreBackward) return;
-  if (group_) {
-    group_->post_forward();
+  for (const auto& g : groups_) {
+    g->post_forward();
     // Without autograd no backward will come to reshard: free the unsharded
     // parameters of every module now, the root's included.
-    if (!c10::GradMode::is_enabled()) group_->reshard();
+    if (!c10::GradMode::is_enabled()) g->reshard();
   }
   if (c10::GradMode::is_enabled()) register_pre_backward_hooks(outputs);
   training_state_ = TrainingState::kIdle;
@@ -385,32 +421,36 @@ std::string FSDPState::call_around_hooks_message(const std::string* error) const
   std::string probable;
   for (const auto& weak : ctx_->all_states) {
     auto s = weak.lock();
-    if (!s || !s->group_ || s->group_->is_unsharded()) continue;
-    for (const auto& p : s->group_->params()) {
-      if (p->sharded_shape() == p->unsharded_shape()) continue;
-      // Runs after every root forward: build the message only on a finding.
-      auto used = [&] {
-        const std::string module = s->is_root_.value_or(false) ? c10::str("the root module '", s->module()->name(), "'")
-                                                               : c10::str("module '", s->fqn_, "'");
-        return c10::str("fsdp2: parameter '", p->fqn(), "' was used in forward while sharded (shape ",
-                        c10::IntArrayRef(p->sharded_shape()), " of ", c10::IntArrayRef(p->unsharded_shape()),
-                        "): ", module, " was ");
-      };
-      auto node = torch::autograd::impl::try_get_grad_accumulator(p->param());
-      if (node && node->num_inputs() > 0) {
-        const auto sym_shape = node->input_metadata(0).shape_as_dim_vector();
-        std::vector<int64_t> shape;
-        for (const auto& d : sym_shape) shape.push_back(d.guard_int(__FILE__, __LINE__));
-        if (shape == p->sharded_shape()) {
-          return c10::str(used(), "called around its hooks (e.g. module->forward(x) or a TORCH_MODULE holder). ",
-                          kCallThroughHooks);
-        }
-      }
-      if (probable.empty() && error != nullptr && mentions_shape(*error, p->sharded_shape())) {
-        probable = c10::str(used(),
-                            "probably called around its hooks (e.g. module->forward(x) or a TORCH_MODULE holder): "
-                            "the error below shows that sharded shape. ",
+    if (!s) continue;
+    for (const auto& group : s->groups_) {
+      if (group->is_unsharded()) continue;
+      for (const auto& p : group->params()) {
+        if (p->sharded_shape() == p->unsharded_shape()) continue;
+        // Runs after every root forward: build the message only on a finding.
+        auto used = [&] {
+          const std::string module = s->is_root_.value_or(false)
+                                         ? c10::str("the root module '", s->module()->name(), "'")
+                                         : c10::str("module '", s->fqn_, "'");
+          return c10::str("fsdp2: parameter '", p->fqn(), "' was used in forward while sharded (shape ",
+                          c10::IntArrayRef(p->sharded_shape()), " of ", c10::IntArrayRef(p->unsharded_shape()),
+                          "): ", module, " was ");
+        };
+        auto node = torch::autograd::impl::try_get_grad_accumulator(p->param());
+        if (node && node->num_inputs() > 0) {
+          const auto sym_shape = node->input_metadata(0).shape_as_dim_vector();
+          std::vector<int64_t> shape;
+          for (const auto& d : sym_shape) shape.push_back(d.guard_int(__FILE__, __LINE__));
+          if (shape == p->sharded_shape()) {
+            return c10::str(used(), "called around its hooks (e.g. module->forward(x) or a TORCH_MODULE holder). ",
                             kCallThroughHooks);
+          }
+        }
+        if (probable.empty() && error != nullptr && mentions_shape(*error, p->sharded_shape())) {
+          probable = c10::str(used(),
+                              "probably called around its hooks (e.g. module->forward(x) or a TORCH_MODULE holder): "
+                              "the error below shows that sharded shape. ",
+                              kCallThroughHooks);
+        }
       }
     }
   }
@@ -441,11 +481,11 @@ RootsSinceBackward& roots_since_backward() {
 }  // namespace
 
 void FSDPState::after_root_forward_with_grad() {
-  if (group_) {
-    const auto& params = group_->params();
+  if (!groups_.empty()) {
+    const std::vector<FSDPParam*> params = all_params();
     root_param_nodes_.clear();  // not resize(): c10::weak_intrusive_ptr has no default constructor
     root_param_nodes_.reserve(params.size());
-    for (const auto& param : params) {
+    for (const auto* param : params) {
       root_param_nodes_.push_back(
           torch_compat::weak_node(torch::autograd::impl::try_get_grad_accumulator(param->param())));
     }
@@ -513,9 +553,19 @@ void FSDPState::check_root_called_through_hooks() const {
   // of the submodule's forward only when the use comes before it), and,
   // without autograd, a root whose ops fit the sharded shapes at 2+ ranks.
   std::shared_ptr<FSDPState> root = ctx_->all_states.empty() ? nullptr : ctx_->all_states.front().lock();
-  if (!root || root.get() == this || !root->group_ || root->group_->is_unsharded()) return;
-  const auto& params = root->group_->params();
+  if (!root || root.get() == this) return;
+  // The root's parameters in group order, as root_param_nodes_; those of an
+  // unsharded group are not checked.
+  std::vector<FSDPParam*> params;
+  std::vector<bool> check;
+  for (const auto& g : root->groups_) {
+    for (const auto& p : g->params()) {
+      params.push_back(p.get());
+      check.push_back(!g->is_unsharded());
+    }
+  }
   for (size_t i = 0; i < params.size(); ++i) {
+    if (!check[i]) continue;
     auto node = torch::autograd::impl::try_get_grad_accumulator(params[i]->param());
     if (!node) continue;
     if (i < root->root_param_nodes_.size() && root->root_param_nodes_[i].lock() == node) continue;
@@ -554,11 +604,16 @@ void FSDPState::pre_backward() {
   training_state_ = TrainingState::kPreBackward;
   register_final_callback();
   const bool default_prefetch = backward_prefetch.empty();
-  if (group_) group_->pre_backward(default_prefetch);
+  // Groups in reverse, the order of their backward (FSDP2 goes forward
+  // here; either way every group is unsharded before this backward goes on,
+  // and each default prefetch issues the group before it in forward order).
+  for (auto it = groups_.rbegin(); it != groups_.rend(); ++it) (*it)->pre_backward(default_prefetch);
   if (!default_prefetch) {
     for (const auto& w : backward_prefetch) {
-      if (auto target = w.lock(); target && target->group_) {
-        prefetch_unshard(target->group_.get(), TrainingState::kPreBackward);
+      auto target = w.lock();
+      if (!target) continue;
+      for (auto it = target->groups_.rbegin(); it != target->groups_.rend(); ++it) {
+        prefetch_unshard(it->get(), TrainingState::kPreBackward);
       }
     }
   }
@@ -600,29 +655,32 @@ void FSDPState::root_post_backward_final_callback() {
   for (const auto& w : ctx_->all_states) {
     auto s = w.lock();
     if (!s) continue;
-    FSDPParamGroup* g = s->group_.get();
-    // set_reduce_scatter_unused_params: a group that backward did not reach
-    // on this rank reduces zeros, as FSDP2's callback runs every group's
-    // post-backward.
-    if (g && (g->is_unsharded() || !g->settings().unshard_in_backward ||
-              (g->settings().reduce_scatter_unused_params && g->training_state() != TrainingState::kPostBackward))) {
-      g->post_backward();
+    for (const auto& g : s->groups_) {
+      // set_reduce_scatter_unused_params: a group that backward did not
+      // reach on this rank reduces zeros, as FSDP2's callback runs every
+      // group's post-backward.
+      if (g->is_unsharded() || !g->settings().unshard_in_backward ||
+          (g->settings().reduce_scatter_unused_params && g->training_state() != TrainingState::kPostBackward)) {
+        g->post_backward();
+      }
+      g->set_training_state(TrainingState::kIdle);
     }
     s->training_state_ = TrainingState::kIdle;
-    if (g) g->set_training_state(TrainingState::kIdle);
   }
   ctx_->post_backward_final_callback_queued = false;
   if (!is_last_backward) return;
   for (const auto& w : ctx_->all_states) {
     auto s = w.lock();
-    if (!s || !s->group_) continue;
-    FSDPParamGroup* g = s->group_.get();
-    g->finalize_backward();
-    // One parameter object serves the module and the optimizer here, so a
-    // group left unsharded by reshard_after_backward=false is resharded once
-    // its gradients were reduced: the optimizer must step on the shards.
-    // Without gradient sync it stays unsharded for the next micro-batch.
-    if (g->is_unsharded() && g->settings().reduce_grads) g->reshard();
+    if (!s) continue;
+    for (const auto& g : s->groups_) {
+      g->finalize_backward();
+      // One parameter object serves the module and the optimizer here, so a
+      // group left unsharded by reshard_after_backward=false is resharded
+      // once its gradients were reduced: the optimizer must step on the
+      // shards. Without gradient sync it stays unsharded for the next
+      // micro-batch.
+      if (g->is_unsharded() && g->settings().reduce_grads) g->reshard();
+    }
   }
   ctx_->comm->wait_for_last_reduce_scatter();
   ctx_->comm->post_forward_order.clear();
@@ -647,7 +705,8 @@ void FSDPState::adopt_comm_context(const std::shared_ptr<FSDPCommContext>& comm_
               old.reduce_scatter_states.empty() && !old.last_all_gather_output.defined();
   for (const auto& w : ctx_->all_states) {
     auto s = w.lock();
-    if (s && s->group_) idle = idle && s->group_->is_sharded() && !s->group_->has_pending_all_gather();
+    if (!s) continue;
+    for (const auto& g : s->groups_) idle = idle && g->is_sharded() && !g->has_pending_all_gather();
   }
   TORCH_CHECK(idle, "share_comm_ctx: the root '", fqn_.empty() ? module()->name() : fqn_,
               "' is in the middle of a forward or backward; share contexts between iterations (before the first "
@@ -655,7 +714,8 @@ void FSDPState::adopt_comm_context(const std::shared_ptr<FSDPCommContext>& comm_
   ctx_->comm = comm_ctx;
   for (const auto& w : ctx_->all_states) {
     auto s = w.lock();
-    if (s && s->group_) s->group_->set_comm_context(comm_ctx.get());
+    if (!s) continue;
+    for (const auto& g : s->groups_) g->set_comm_context(comm_ctx.get());
   }
   comm_ctx->states.insert(comm_ctx->states.end(), ctx_->all_states.begin(), ctx_->all_states.end());
   comm_ctx->invalidate_max_input_buffers();
@@ -668,7 +728,7 @@ void FSDPState::reset_iter_state() {
     if (!s) continue;
     s->training_state_ = TrainingState::kIdle;
     s->modules_to_run_.clear();
-    if (s->group_) s->group_->reset_iter_state();
+    for (const auto& g : s->groups_) g->reset_iter_state();
   }
   ctx_->comm->release_all_gather_state();
   ctx_->comm->wait_for_last_reduce_scatter();

@@ -63,21 +63,33 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
  public:
   // `modules`: the one module of fully_shard(module), or the several modules
   // of fully_shard(list) sharded as one group.
+  // `groups`: one per distinct mesh of the call's parameters (see [Note:
+  // per-parameter meshes]), none when it shards no parameter.
   FSDPState(const std::vector<std::shared_ptr<torch::nn::Module>>& modules, DeviceMesh mesh, c10::Device device,
-            std::unique_ptr<FSDPParamGroup> group, std::optional<ReshardAfterForward> reshard_after_forward,
-            MixedPrecisionPolicy mp_policy);
+            std::vector<std::unique_ptr<FSDPParamGroup>> groups,
+            std::optional<ReshardAfterForward> reshard_after_forward, MixedPrecisionPolicy mp_policy);
 
   // The first of modules().
   std::shared_ptr<torch::nn::Module> module() const;
   std::vector<std::shared_ptr<torch::nn::Module>> modules() const;
   size_t num_modules() const { return modules_.size(); }
-  // Several modules: for each of the group's parameters, in order, the index
-  // of the module that owns it and its FQN within that module (lazy init
-  // names the parameters from the root then).
-  void set_param_owners(std::vector<std::pair<size_t, std::string>> owners) { param_owners_ = std::move(owners); }
+  // Several modules: per group, for each of its parameters, in order, the
+  // index of the module that owns it and its FQN within that module (lazy
+  // init names the parameters from the root then).
+  void set_param_owners(std::vector<std::vector<std::pair<size_t, std::string>>> owners) {
+    param_owners_ = std::move(owners);
+  }
+  // The call's mesh (FullyShardOptions::mesh or its default); a group may
+  // shard over another (its own mesh()).
   const DeviceMesh& mesh() const { return mesh_; }
   c10::Device device() const { return device_; }
-  FSDPParamGroup* group() const { return group_.get(); }
+  // The state's parameter groups, one per mesh, in creation order.
+  const std::vector<std::unique_ptr<FSDPParamGroup>>& groups() const { return groups_; }
+  // The only group, or null (FSDP2's _fsdp_param_group). Throws when the
+  // state has several (per-parameter meshes): use groups() there.
+  FSDPParamGroup* group() const;
+  // Every group's parameters, group by group.
+  std::vector<FSDPParam*> all_params() const;
   // The nearest enclosing sharded module's state (null for a root).
   std::shared_ptr<FSDPState> parent() const { return parent_.lock(); }
   void set_parent(const std::shared_ptr<FSDPState>& parent) { parent_ = parent; }
@@ -166,13 +178,13 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   void discard_unused_forward_prefetches();
 
   std::vector<std::weak_ptr<torch::nn::Module>> modules_;
-  std::vector<std::pair<size_t, std::string>> param_owners_;
+  std::vector<std::vector<std::pair<size_t, std::string>>> param_owners_;
   // The modules of the group still to run in this forward (FSDP2's
   // _modules_to_run_forward); empty between group forwards.
   std::unordered_set<const torch::nn::Module*> modules_to_run_;
   DeviceMesh mesh_;
   c10::Device device_;
-  std::unique_ptr<FSDPParamGroup> group_;
+  std::vector<std::unique_ptr<FSDPParamGroup>> groups_;
   bool auto_reshard_after_forward_;
   MixedPrecisionPolicy mp_policy_;
   std::weak_ptr<FSDPState> parent_;

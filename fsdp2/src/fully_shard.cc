@@ -148,12 +148,35 @@ std::shared_ptr<collectives::Communicator> post_forward_group(const DeviceMesh& 
   return mesh.world()->shared_group(ranks, mesh.device_type());
 }
 
-// The dim FullyShardOptions::shard_placement_fn picks for `param`.
-int64_t shard_dim_of(const FullyShardOptions& options, const at::Tensor& param, const std::string& fqn,
-                     const std::string& name) {
-  if (!options.shard_placement_fn) return 0;
-  const std::optional<Placement> placement = options.shard_placement_fn(param);
-  if (!placement) return 0;
+// Where FullyShardOptions::shard_placement_fn puts `param`: its shard dim
+// and, for a per-parameter mesh (FSDP2's ShardPlacementResult), the mesh.
+struct ResolvedPlacement {
+  int64_t dim = 0;
+  std::optional<DeviceMesh> mesh;  // unset: the call's mesh
+};
+
+ResolvedPlacement resolve_shard_placement(const FullyShardOptions& options, const at::Tensor& param,
+                                          const std::string& fqn, const std::string& name,
+                                          const DeviceMesh& default_mesh) {
+  if (!options.shard_placement_fn) return {};
+  ShardPlacementResult result = options.shard_placement_fn(param);
+  ResolvedPlacement resolved;
+  if (result.mesh) {
+    const DeviceMesh& m = *result.mesh;
+    TORCH_CHECK(m.device_type() == default_mesh.device_type(), "fully_shard: module '", name,
+                "': shard_placement_fn returned the mesh ", m.to_string(), " on ", m.device_type(), " for parameter '",
+                fqn, "', but the module's mesh ", default_mesh.to_string(), " is on ", default_mesh.device_type(),
+                "; every per-parameter mesh must be on the module's device type");
+    try {
+      check_mesh(m, name);
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, "fully_shard: module '", name, "': shard_placement_fn returned the mesh ", m.to_string(),
+                  " for parameter '", fqn, "', which fully_shard cannot shard over: ", e.msg());
+    }
+    resolved.mesh = m;
+  }
+  const std::optional<Placement>& placement = result.placement;
+  if (!placement) return resolved;
   TORCH_CHECK(placement->is_shard(), "fully_shard: module '", name, "': shard_placement_fn returned ",
               placement->to_string(), " for parameter '", fqn,
               "'; it must return a Shard placement (fsdp::Placement::shard(dim)), or std::nullopt for Shard(0)");
@@ -164,7 +187,18 @@ int64_t shard_dim_of(const FullyShardOptions& options, const at::Tensor& param, 
   TORCH_CHECK(dim < ndim, "fully_shard: module '", name, "': shard_placement_fn returned ", placement->to_string(),
               " for parameter '", fqn, "' of shape ", param.sizes(), ", which has no dim ", dim, "; pick a dim in [0, ",
               ndim - 1, "] (e.g. Placement::shard(param.dim() - 1) for the last)");
-  return dim;
+  resolved.dim = dim;
+  return resolved;
+}
+
+// Whether two meshes shard with the same process groups (FSDP2 keys its
+// param groups by (shard group, replicate group)).
+bool same_groups(const DeviceMesh& a, const DeviceMesh& b) {
+  if (a.ndim() != b.ndim()) return false;
+  for (int64_t d = 0; d < a.ndim(); ++d) {
+    if (a.group(d).get() != b.group(d).get()) return false;
+  }
+  return true;
 }
 
 }  // namespace detail
@@ -240,8 +274,9 @@ FSDPModule shard_modules(const std::vector<std::shared_ptr<torch::nn::Module>>& 
   }
   std::unordered_set<const c10::TensorImpl*> managed;
   for (const auto& child : children) {
-    if (!child->group()) continue;
-    for (const auto& p : child->group()->params()) managed.insert(p->param().unsafeGetTensorImpl());
+    for (const auto& g : child->groups()) {
+      for (const auto& p : g->params()) managed.insert(p->param().unsafeGetTensorImpl());
+    }
   }
   // ... and a parameter managed by an enclosing module means the order was
   // wrong (root before children).
@@ -251,8 +286,7 @@ FSDPModule shard_modules(const std::vector<std::shared_ptr<torch::nn::Module>>& 
                 "' is undefined; initialize every parameter before sharding");
     if (managed.count(p.unsafeGetTensorImpl()) || ignored.count(p.unsafeGetTensorImpl())) continue;
     for (const auto& any : detail::all_states()) {
-      if (!any->group()) continue;
-      for (const auto& fp : any->group()->params()) {
+      for (const auto& fp : any->all_params()) {
         if (fp->param().unsafeGetTensorImpl() != p.unsafeGetTensorImpl()) continue;
         bool enclosing = false;
         for (const auto& top : any->modules()) {
@@ -274,11 +308,23 @@ FSDPModule shard_modules(const std::vector<std::shared_ptr<torch::nn::Module>>& 
     }
   }
 
-  std::vector<at::Tensor> params;
-  std::vector<std::string> names;
-  std::vector<std::pair<size_t, std::string>> owners;
-  std::vector<int64_t> shard_dims;
+  // [Note: per-parameter meshes] shard_placement_fn may put a parameter on
+  // another mesh (FSDP2's ShardPlacementResult): the call's parameters are
+  // grouped by mesh, one FSDPParamGroup per distinct (shard, replicate)
+  // process-group pair, in the order the meshes first appear (the call's
+  // mesh's group first when it has parameters). The state runs every
+  // group's hooks in that order.
+  struct PendingGroup {
+    DeviceMesh mesh;
+    std::vector<at::Tensor> params;
+    std::vector<std::string> names;
+    std::vector<std::pair<size_t, std::string>> owners;
+    std::vector<int64_t> shard_dims;
+  };
+  std::vector<PendingGroup> pending;
   std::unordered_set<const c10::TensorImpl*> seen;
+  std::optional<c10::ScalarType> first_dtype;
+  std::string first_name;
   for (const auto& item : named_params) {
     const at::Tensor& p = item.value();
     const auto* impl = p.unsafeGetTensorImpl();
@@ -301,26 +347,40 @@ FSDPModule shard_modules(const std::vector<std::shared_ptr<torch::nn::Module>>& 
                 " before sharding");
     TORCH_CHECK(!mp.param_dtype || p.is_floating_point(), "fully_shard: module '", name, "': parameter '", item.key(),
                 "' is ", p.scalar_type(), "; a MixedPrecisionPolicy::param_dtype needs floating-point parameters");
-    if (!params.empty()) {
-      TORCH_CHECK(p.scalar_type() == params.front().scalar_type(), "fully_shard: module '", name,
-                  "' mixes dtypes in one group: parameter '", names.front(), "' is ", params.front().scalar_type(),
-                  " but '", item.key(), "' is ", p.scalar_type(),
+    if (first_dtype) {
+      TORCH_CHECK(p.scalar_type() == *first_dtype, "fully_shard: module '", name,
+                  "' mixes dtypes in one group: parameter '", first_name, "' is ", *first_dtype, " but '", item.key(),
+                  "' is ", p.scalar_type(),
                   ". Give the parameters one dtype, or shard the differing submodule with its own fully_shard call.");
+    } else {
+      first_dtype = p.scalar_type();
+      first_name = item.key();
     }
-    params.push_back(p);
-    names.push_back(item.key());
-    owners.emplace_back(item.owner, item.relative_name);
-    shard_dims.push_back(detail::shard_dim_of(options, p, item.key(), name));
+    ResolvedPlacement placement = detail::resolve_shard_placement(options, p, item.key(), name, *mesh);
+    const DeviceMesh& param_mesh = placement.mesh ? *placement.mesh : *mesh;
+    PendingGroup* target = nullptr;
+    for (auto& g : pending) {
+      if (detail::same_groups(g.mesh, param_mesh)) target = &g;
+    }
+    if (target == nullptr) target = &pending.emplace_back(PendingGroup{param_mesh, {}, {}, {}, {}});
+    target->params.push_back(p);
+    target->names.push_back(item.key());
+    target->owners.emplace_back(item.owner, item.relative_name);
+    target->shard_dims.push_back(placement.dim);
   }
 
-  std::shared_ptr<collectives::Communicator> post_forward_comm =
-      detail::post_forward_group(*mesh, options.reshard_after_forward, name);
-  std::unique_ptr<detail::FSDPParamGroup> group;
-  if (!params.empty()) {
-    group = std::make_unique<detail::FSDPParamGroup>(std::move(params), std::move(names), *mesh, device, mp,
-                                                     std::move(post_forward_comm), options.offload_policy, shard_dims);
+  std::vector<std::unique_ptr<detail::FSDPParamGroup>> groups;
+  std::vector<std::vector<std::pair<size_t, std::string>>> owners;
+  for (auto& g : pending) {
+    std::shared_ptr<collectives::Communicator> post_forward_comm =
+        detail::post_forward_group(g.mesh, options.reshard_after_forward, name);
+    groups.push_back(std::make_unique<detail::FSDPParamGroup>(std::move(g.params), std::move(g.names), g.mesh, device,
+                                                              mp, std::move(post_forward_comm), options.offload_policy,
+                                                              g.shard_dims));
+    owners.push_back(std::move(g.owners));
   }
-  auto state = std::make_shared<FSDPState>(modules, *mesh, device, std::move(group), options.reshard_after_forward, mp);
+  auto state =
+      std::make_shared<FSDPState>(modules, *mesh, device, std::move(groups), options.reshard_after_forward, mp);
   if (modules.size() > 1) state->set_param_owners(std::move(owners));
   for (const auto& child : children) {
     if (!child->parent()) child->set_parent(state);
@@ -426,29 +486,30 @@ void for_each_state(const std::shared_ptr<FSDPState>& root, bool recurse, F&& f)
 
 UnshardHandle FSDPModule::unshard(bool async_op) {
   state_->top()->lazy_init();
-  if (auto* g = state_->group()) {
-    g->unshard(async_op);
-    if (!async_op) g->wait_for_unshard();
+  for (const auto& g : state_->groups()) g->unshard(async_op);
+  if (!async_op) {
+    for (const auto& g : state_->groups()) g->wait_for_unshard();
   }
   return UnshardHandle(async_op ? state_ : nullptr);
 }
 
 void UnshardHandle::wait() {
   if (!state_) return;
-  if (auto* g = state_->group()) g->wait_for_unshard();
+  for (const auto& g : state_->groups()) g->wait_for_unshard();
   state_.reset();
 }
 
 void FSDPModule::reshard() {
-  if (auto* g = state_->group()) g->reshard();
+  for (const auto& g : state_->groups()) g->reshard();
 }
 
 void FSDPModule::set_requires_gradient_sync(bool requires_gradient_sync, bool recurse) {
   for_each_state(state_, recurse, [&](FSDPState& s) {
-    if (!s.group()) return;
-    // As FSDP2: for HSDP this controls the all-reduce too.
-    s.group()->settings().reduce_grads = requires_gradient_sync;
-    s.group()->settings().all_reduce_grads = requires_gradient_sync;
+    for (const auto& g : s.groups()) {
+      // As FSDP2: for HSDP this controls the all-reduce too.
+      g->settings().reduce_grads = requires_gradient_sync;
+      g->settings().all_reduce_grads = requires_gradient_sync;
+    }
   });
 }
 
@@ -456,21 +517,22 @@ void FSDPModule::set_reshard_after_forward(bool reshard_after_forward, bool recu
   for_each_state(state_, recurse, [&](FSDPState& s) {
     // Kept over lazy init's default for the root.
     s.clear_auto_reshard_after_forward();
-    if (!s.group()) return;
-    s.group()->settings().reshard_after_forward = reshard_after_forward;
-    s.group()->clear_post_forward_comm();
+    for (const auto& g : s.groups()) {
+      g->settings().reshard_after_forward = reshard_after_forward;
+      g->clear_post_forward_comm();
+    }
   });
 }
 
 void FSDPModule::set_requires_all_reduce(bool requires_all_reduce, bool recurse) {
   for_each_state(state_, recurse, [&](FSDPState& s) {
-    if (s.group()) s.group()->settings().all_reduce_grads = requires_all_reduce;
+    for (const auto& g : s.groups()) g->settings().all_reduce_grads = requires_all_reduce;
   });
 }
 
 void FSDPModule::set_reshard_after_backward(bool reshard_after_backward, bool recurse) {
   for_each_state(state_, recurse, [&](FSDPState& s) {
-    if (s.group()) s.group()->settings().reshard_after_backward = reshard_after_backward;
+    for (const auto& g : s.groups()) g->settings().reshard_after_backward = reshard_after_backward;
   });
 }
 
@@ -492,7 +554,7 @@ void FSDPModule::set_modules_to_backward_prefetch(const std::vector<FSDPModule>&
 }
 
 void FSDPModule::set_unshard_in_backward(bool unshard_in_backward) {
-  if (auto* g = state_->group()) g->settings().unshard_in_backward = unshard_in_backward;
+  for (const auto& g : state_->groups()) g->settings().unshard_in_backward = unshard_in_backward;
 }
 
 void FSDPModule::set_post_optim_event(std::shared_ptr<c10::Event> event) {
@@ -502,28 +564,34 @@ void FSDPModule::set_post_optim_event(std::shared_ptr<c10::Event> event) {
 
 void FSDPModule::set_gradient_divide_factor(double factor) {
   TORCH_CHECK(factor > 0, "set_gradient_divide_factor: the factor must be positive, got ", factor);
-  if (auto* g = state_->group()) g->settings().gradient_divide_factor = factor;
+  for (const auto& g : state_->groups()) g->settings().gradient_divide_factor = factor;
 }
 
 void FSDPModule::set_force_sum_reduction_for_comms(bool force_sum) {
-  if (auto* g = state_->group()) g->settings().force_sum_reduction = force_sum;
+  for (const auto& g : state_->groups()) g->settings().force_sum_reduction = force_sum;
 }
 
 void FSDPModule::set_all_reduce_hook(std::function<void(at::Tensor&)> hook, std::optional<c10::Stream> stream) {
+  for (const auto& g : state_->groups()) {
+    TORCH_CHECK(!stream || g->mesh().ndim() == 1, "set_all_reduce_hook: a stream was given, but module's mesh ",
+                g->mesh().to_string(),
+                " is 2-D (HSDP), where the hook runs on the HSDP all-reduce stream after the all-reduce; pass no "
+                "stream");
+  }
   TORCH_CHECK(!stream || state_->mesh().ndim() == 1,
               "set_all_reduce_hook: a stream was given, but module's mesh is 2-D (HSDP), where the hook runs on "
               "the HSDP all-reduce stream after the all-reduce; pass no stream");
   TORCH_CHECK(!stream || stream->device_type() == state_->device().type(), "set_all_reduce_hook: the stream is on ",
               stream->device(), " but the module is sharded on ", state_->device());
-  auto* g = state_->group();
-  if (!g) return;
-  g->settings().reduced_grad_hook = std::move(hook);
-  g->settings().reduced_grad_hook_stream = stream;
+  for (const auto& g : state_->groups()) {
+    g->settings().reduced_grad_hook = hook;
+    g->settings().reduced_grad_hook_stream = stream;
+  }
 }
 
 void FSDPModule::set_reduce_scatter_unused_params(bool reduce_scatter_unused_params, bool recurse) {
   for_each_state(state_, recurse, [&](FSDPState& s) {
-    if (s.group()) s.group()->settings().reduce_scatter_unused_params = reduce_scatter_unused_params;
+    for (const auto& g : s.groups()) g->settings().reduce_scatter_unused_params = reduce_scatter_unused_params;
   });
 }
 
@@ -532,7 +600,7 @@ void FSDPModule::set_reduce_scatter_max_input_buffers(int max_input_buffers, boo
               "': max_input_buffers must be at least 1 (1 is the default: one reduce-scatter in flight), got ",
               max_input_buffers);
   for_each_state(state_, recurse, [&](FSDPState& s) {
-    if (s.group()) s.group()->settings().reduce_scatter_max_input_buffers = max_input_buffers;
+    for (const auto& g : s.groups()) g->settings().reduce_scatter_max_input_buffers = max_input_buffers;
   });
   if (auto* ctx = state_->context()) ctx->comm->invalidate_max_input_buffers();
 }
@@ -542,22 +610,22 @@ void FSDPModule::set_separate_reduce_scatter_group(bool enable, bool recurse) {
   // FSDP2: every module sharded over the same ranks uses the same one.
   std::map<std::vector<int>, std::shared_ptr<collectives::Communicator>> made;
   for_each_state(state_, recurse, [&](FSDPState& s) {
-    auto* g = s.group();
-    if (!g) return;
-    std::shared_ptr<collectives::Communicator>& rs_comm = g->settings().reduce_scatter_comm;
-    if (!enable || g->shard_comm()->size() == 1) {
-      rs_comm = nullptr;
-      return;
+    for (const auto& g : s.groups()) {
+      std::shared_ptr<collectives::Communicator>& rs_comm = g->settings().reduce_scatter_comm;
+      if (!enable || g->shard_comm()->size() == 1) {
+        rs_comm = nullptr;
+        continue;
+      }
+      const std::vector<int>& ranks = g->shard_comm()->global_ranks();
+      auto it = made.find(ranks);
+      if (it == made.end()) {
+        // A module that has one keeps it (no new communicator, the same on
+        // every rank since every rank made the same calls).
+        it = made.emplace(ranks, rs_comm ? rs_comm : s.mesh().world()->new_group(ranks, g->shard_comm()->device_type()))
+                 .first;
+      }
+      rs_comm = it->second;
     }
-    const std::vector<int>& ranks = g->shard_comm()->global_ranks();
-    auto it = made.find(ranks);
-    if (it == made.end()) {
-      // A module that has one keeps it (no new communicator, the same on
-      // every rank since every rank made the same calls).
-      it = made.emplace(ranks, rs_comm ? rs_comm : s.mesh().world()->new_group(ranks, g->shard_comm()->device_type()))
-               .first;
-    }
-    rs_comm = it->second;
   });
 }
 
@@ -589,6 +657,10 @@ void FSDPModule::reset_runtime_stats() {
   if (auto* ctx = state_->context()) ctx->comm->stats = RuntimeStats{};
 }
 
-int64_t FSDPModule::unsharded_bytes() const { return state_->group() ? state_->group()->unsharded_storage_bytes() : 0; }
+int64_t FSDPModule::unsharded_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& g : state_->groups()) bytes += g->unsharded_storage_bytes();
+  return bytes;
+}
 
 }  // namespace fsdp

@@ -69,9 +69,9 @@ class Registry {
  public:
   Registry() {
     for (const auto& state : detail::all_states()) {
-      FSDPParamGroup* group = state->group();
-      if (!group) continue;
-      for (const auto& p : group->params()) slots_[p->param().unsafeGetTensorImpl()] = Slot{p.get(), group};
+      for (const auto& g : state->groups()) {
+        for (const auto& p : g->params()) slots_[p->param().unsafeGetTensorImpl()] = Slot{p.get(), g.get()};
+      }
     }
   }
 
@@ -182,9 +182,18 @@ std::vector<Entry> model_entries(torch::nn::Module& model, const Registry& regis
   return entries;
 }
 
-// The mesh shared by the model's groups (null without fully_shard); throws
-// when groups use different meshes, since "rank 0" and the broadcast would
-// be ambiguous.
+// The same ranks, in any layout.
+bool same_ranks(const DeviceMesh& a, const DeviceMesh& b) {
+  return a.size() == b.size() &&
+         std::get<0>(a.mesh().reshape({-1}).sort()).equal(std::get<0>(b.mesh().reshape({-1}).sort()));
+}
+
+// The mesh of the model's first group (null without fully_shard), whose
+// origin is "rank 0" and over which broadcast_from_rank0 broadcasts. Groups
+// over other meshes (per-parameter meshes, or other fully_shard meshes) must
+// span the same ranks, in any layout: a full value is then gathered to, or
+// broadcast to, every rank, the origin included. Throws otherwise, since
+// "rank 0" and the broadcast would be ambiguous.
 const DeviceMesh* model_mesh(const std::vector<Entry>& entries) {
   const DeviceMesh* mesh = nullptr;
   std::string first;
@@ -195,9 +204,11 @@ const DeviceMesh* model_mesh(const std::vector<Entry>& entries) {
       first = e.fqn;
       continue;
     }
-    TORCH_CHECK(same_mesh(*mesh, e.slot.group->mesh()), "fsdp2 state dict: parameters '", first, "' and '", e.fqn,
-                "' are sharded over different meshes (", mesh->to_string(), " and ", e.slot.group->mesh().to_string(),
-                "); broadcast_from_rank0 and cpu_offload need one mesh for the whole model");
+    TORCH_CHECK(same_mesh(*mesh, e.slot.group->mesh()) || same_ranks(*mesh, e.slot.group->mesh()),
+                "fsdp2 state dict: parameters '", first, "' and '", e.fqn,
+                "' are sharded over meshes of different ranks (", mesh->to_string(), " and ",
+                e.slot.group->mesh().to_string(),
+                "); broadcast_from_rank0 and cpu_offload need meshes that span the same ranks");
   }
   return mesh;
 }

@@ -46,6 +46,7 @@
 #include <optional>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -160,6 +161,25 @@ class ReshardAfterForward {
   int value_;
 };
 
+// What FullyShardOptions::shard_placement_fn returns for one parameter
+// (FSDP2's ShardPlacementResult): the placement to shard it with (unset:
+// Shard(0)) and the mesh to shard it over (unset: the fully_shard call's
+// mesh). Converts implicitly from a Placement, std::optional<Placement> and
+// std::nullopt, so placement-only functions need no change.
+struct ShardPlacementResult {
+  ShardPlacementResult() = default;
+  ShardPlacementResult(std::nullopt_t) {}                                        // NOLINT: implicit, as FSDP2's None
+  ShardPlacementResult(Placement p) : placement(std::move(p)) {}                 // NOLINT: implicit, as FSDP2's Shard
+  ShardPlacementResult(std::optional<Placement> p) : placement(std::move(p)) {}  // NOLINT: implicit
+  ShardPlacementResult(std::optional<Placement> p, std::optional<DeviceMesh> m)
+      : placement(std::move(p)), mesh(std::move(m)) {}
+
+  std::optional<Placement> placement;
+  // 1-D (FSDP) or 2-D (replicate, shard) as FullyShardOptions::mesh, on the
+  // same device type, with this rank in it.
+  std::optional<DeviceMesh> mesh;
+};
+
 struct FullyShardOptions {
   // The mesh to shard over. 1-D: FSDP. 2-D with dims named (replicate,
   // shard), e.g. {"replicate", "shard"} or {"dp_replicate", "dp_shard"}:
@@ -183,27 +203,45 @@ struct FullyShardOptions {
   // yourself if they are trained). They stay full on every rank. Pass them to
   // every fully_shard call whose module contains them, the root's included.
   std::vector<at::Tensor> ignored_params;
-  // Which tensor dim each parameter is sharded on (FSDP2's
+  // Which tensor dim, and over which mesh, each parameter is sharded (FSDP2's
   // shard_placement_fn): called once per parameter this call shards, with
-  // the full parameter; return Placement::shard(d) to give rank r
-  // torch.chunk(param, shard size, d)[r] (uneven chunks and empty ones
-  // allowed), or std::nullopt for Shard(0). Placement::shard takes d >= 0
-  // (param.dim() - 1 for the last dim). Unset: every parameter on dim 0.
-  // Sharded state dicts then hold Shard(d) DTensors ((Replicate, Shard(d))
-  // under HSDP). At 2+ shard ranks, d != 0 costs one extra copy of the
-  // parameter per all-gather (concatenating the chunks) and of its gradient
-  // per reduce-scatter; use it when an optimizer or a checkpoint layout
-  // needs the split along d.
+  // the full parameter. It returns a ShardPlacementResult (above), which
+  // converts implicitly from Placement::shard(d), from std::nullopt and from
+  // std::optional<Placement>, so a function that only picks the dim returns
+  // those as before. Placement::shard(d) gives rank r torch.chunk(param,
+  // shard size, d)[r] (uneven chunks and empty ones allowed); std::nullopt
+  // means Shard(0). Placement::shard takes d >= 0 (param.dim() - 1 for the
+  // last dim). Unset: every parameter on dim 0 of `mesh`. Sharded state
+  // dicts then hold Shard(d) DTensors ((Replicate, Shard(d)) under HSDP). At
+  // 2+ shard ranks, d != 0 costs one extra copy of the parameter per
+  // all-gather (concatenating the chunks) and of its gradient per
+  // reduce-scatter; use it when an optimizer or a checkpoint layout needs
+  // the split along d.
   //
   //   opts.shard_placement_fn = [](const at::Tensor& p) -> std::optional<fsdp::Placement> {
   //     if (p.dim() == 2) return fsdp::Placement::shard(1);  // weights by column
   //     return std::nullopt;                                 // the rest by row
   //   };
   //
+  // Per-parameter meshes (FSDP2's ShardPlacementResult, PyTorch >= 2.12):
+  // a result with a mesh shards that parameter over it instead of `mesh`.
+  // The call's parameters are grouped by mesh (by its shard and replicate
+  // process groups), one FSDPParamGroup per distinct mesh, in the order the
+  // meshes first appear; each group all-gathers and reduce-scatters on its
+  // own mesh's groups, and its state-dict DTensors carry its mesh. See
+  // docs/fsdp2.md "Per-parameter meshes".
+  //
+  //   opts.shard_placement_fn = [&](const at::Tensor& p) -> fsdp::ShardPlacementResult {
+  //     if (is_expert(p)) return {fsdp::Placement::shard(0), expert_mesh};
+  //     return std::nullopt;  // Shard(0) over opts.mesh
+  //   };
+  //
   // fully_shard throws, naming the module and the parameter, when it returns
   // a placement that is not a Shard or a dim the parameter lacks (a 0-dim
-  // parameter, sharded as one row, takes dim 0 only).
-  std::function<std::optional<Placement>(const at::Tensor& param)> shard_placement_fn;
+  // parameter, sharded as one row, takes dim 0 only), or a mesh that is
+  // neither 1-D nor (replicate, shard) 2-D, or on another device type than
+  // `mesh`.
+  std::function<ShardPlacementResult(const at::Tensor& param)> shard_placement_fn;
 };
 
 namespace detail {
@@ -267,7 +305,9 @@ class FSDPModule {
   // The modules sharded together as this group, in the order given to
   // fully_shard: one, or several for fully_shard(std::vector<...>).
   std::vector<std::shared_ptr<torch::nn::Module>> modules() const;
-  // The mesh the module is sharded over.
+  // The mesh the module is sharded over: FullyShardOptions::mesh (or its
+  // default). Parameters that shard_placement_fn put on another mesh are
+  // sharded over that one (their state-dict DTensors carry it).
   const DeviceMesh& mesh() const;
 
   // All-gathers the module's parameters so they are unsharded, as before its
