@@ -13,7 +13,6 @@
 // safetensors checkpoint saved at 3 ranks and loaded at 2); bad meshes are
 // refused, naming the module and the parameter.
 #include <sys/stat.h>
-#include <unistd.h>
 
 #include <cstdlib>
 #include <map>
@@ -31,6 +30,7 @@
 #include "fsdp2/custom_collectives.h"
 #include "fsdp2/state_dict.h"
 #include "fsdp2_test_util.h"
+#include "shared_test_dir.h"
 
 namespace fsdp::test {
 namespace {
@@ -410,38 +410,11 @@ TEST_P(PerParamMesh, SeveralModulesInOneCallGroupByMesh) {
 INSTANTIATE_TEST_SUITE_P(WorldSizes, PerParamMesh, ::testing::Values(1, 2, 3, 4),
                          [](const auto& info) { return "world" + std::to_string(info.param); });
 
-// A directory the parent makes and the rank processes find in the
-// environment; the parent removes it.
-class TempDir {
- public:
-  TempDir() {
-    if (testing::is_rank_process()) {
-      const char* p = std::getenv("FSDP2CPP_PER_PARAM_MESH_TEST_DIR");
-      path_ = p != nullptr ? p : "";
-      return;
-    }
-    std::string pattern = "/tmp/fsdp2cpp-ppmesh-XXXXXX";
-    if (::mkdtemp(pattern.data()) != nullptr) path_ = pattern;
-    ::setenv("FSDP2CPP_PER_PARAM_MESH_TEST_DIR", path_.c_str(), 1);
-    owner_ = true;
-  }
-  ~TempDir() {
-    if (!owner_ || path_.empty()) return;
-    for (int r = 0; r < 8; ++r) ::unlink((path_ + "/" + checkpoint::sharded_file_name(r)).c_str());
-    ::rmdir(path_.c_str());
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-  bool owner_ = false;
-};
-
 // A safetensors sharded checkpoint saved at 3 ranks (experts on the reversed
 // mesh) loads at 2 ranks, with and without per-parameter meshes, and at 4
 // ranks into the 2x2 HSDP expert mesh.
 TEST(PerParamMeshCheckpoint, ShardedCheckpointAcrossWorldSizes) {
-  TempDir dir;
+  SharedTestDir dir("FSDP2CPP_PER_PARAM_MESH_TEST_DIR");
   ASSERT_FALSE(dir.path().empty());
   testing::run_distributed(3, [&](testing::RankContext& ctx) {
     ShardedMoE s = shard_moe(make_meshes(ctx));

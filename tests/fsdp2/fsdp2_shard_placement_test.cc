@@ -10,7 +10,6 @@
 // back from sharded and full values and from a safetensors checkpoint, and
 // bad placements are refused.
 #include <sys/stat.h>
-#include <unistd.h>
 
 #include <cstdlib>
 #include <optional>
@@ -23,6 +22,7 @@
 #include "fsdp2/clip_grad.h"
 #include "fsdp2/state_dict.h"
 #include "fsdp2_test_util.h"
+#include "shared_test_dir.h"
 
 namespace fsdp::test {
 namespace {
@@ -342,38 +342,11 @@ TEST(ShardPlacement, StateDictRoundTrip) {
   }
 }
 
-// A directory the parent makes and the rank processes find in the
-// environment; the parent removes it.
-class TempDir {
- public:
-  TempDir() {
-    if (testing::is_rank_process()) {
-      const char* p = std::getenv("FSDP2CPP_PLACEMENT_TEST_DIR");
-      path_ = p != nullptr ? p : "";
-      return;
-    }
-    std::string pattern = "/tmp/fsdp2cpp-placement-XXXXXX";
-    if (::mkdtemp(pattern.data()) != nullptr) path_ = pattern;
-    ::setenv("FSDP2CPP_PLACEMENT_TEST_DIR", path_.c_str(), 1);
-    owner_ = true;
-  }
-  ~TempDir() {
-    if (!owner_ || path_.empty()) return;
-    for (int r = 0; r < 8; ++r) ::unlink((path_ + "/" + checkpoint::sharded_file_name(r)).c_str());
-    ::rmdir(path_.c_str());
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-  bool owner_ = false;
-};
-
 // A safetensors sharded checkpoint of Shard(1) parameters (each file holds
 // column blocks at their offsets) saved at 3 ranks loads at 2 ranks into
 // column-sharded and row-sharded models.
 TEST(ShardPlacement, SafetensorsShardedCheckpointAcrossWorldSizes) {
-  TempDir dir;
+  SharedTestDir dir("FSDP2CPP_PLACEMENT_TEST_DIR");
   ASSERT_FALSE(dir.path().empty());
   testing::run_distributed(3, [&](testing::RankContext& ctx) {
     Sharded s = shard_net(ctx.mesh());
