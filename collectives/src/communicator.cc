@@ -243,9 +243,10 @@ void Communicator::check_tensor(const at::Tensor& t, const char* op, const char*
 bool Communicator::native_op(const ReduceOp& op) const {
   if (backend_kind_ == BackendKind::kNccl) {
     // At one rank NCCL copies instead of reducing: it drops PREMUL_SUM's
-    // factor (seen on an H100 with NCCL 2.28.9: the output was the input)
-    // and, before 2.29.7, leaves the tail of an AVG output unwritten
-    // (pytorch#144045). SUM, then the finishing step, is exact there.
+    // factor (seen on an H100 with NCCL 2.28.9: the output was the input),
+    // and pytorch#144045 reports the tail of an AVG output left unwritten
+    // before NCCL 2.29.7 (our AVG checks passed on 2.28.9). SUM, then the
+    // finishing step, is exact at one rank.
     const bool scaled = op.kind() == ReduceOp::Kind::kAvg || op.kind() == ReduceOp::Kind::kPremulSum;
     return !(scaled && size() == 1);
   }
