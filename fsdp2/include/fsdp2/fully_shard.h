@@ -294,8 +294,9 @@ class UnshardHandle {
 // (torch::autograd::impl::set_post_acc_grad_hooks, e.g. an optimizer step in
 // backward) run once its sharded gradient is reduced and set, with the
 // sharded parameter; autograd's accumulation of the full gradient does not
-// run them. Memory: backward keeps at most two groups' unreduced gradients
-// alive (the group being reduced and the one before it).
+// run them. Memory: by default backward keeps at most two groups' unreduced
+// gradients alive (the group being reduced and the one before it);
+// set_reduce_scatter_max_input_buffers raises that bound.
 class FSDPModule {
  public:
   // The sharded module; for a group sharded by one fully_shard call over
