@@ -2,7 +2,8 @@
 # `make gpu-check`: proves the CUDA path on a machine with a GPU, in one
 # command, and prints one report.
 #   1. bootstrap (offline with FSDP2CPP_DEBS, see docs/gpu.md) and a build with
-#      CUDA on (-DFSDP2CPP_CUDA=ON) in $GPU_BUILD (default build-gpu);
+#      CUDA on (-DFSDP2CPP_CUDA=ON) in $GPU_BUILD (default build-gpu) of the
+#      fsdp2cpp_gpu_check target: the gpu-labelled tests and the trainer;
 #   2. every CTest test labelled `gpu` (ctest -L gpu);
 #   3. the GPU benchmarks that exist in this tree (missing ones are listed as
 #      skipped) and a short CUDA training run of fsdp_train with --profile;
@@ -13,7 +14,9 @@
 #
 # Environment: FSDP2CPP_PYTHON (the torch to build against; bootstrap.sh),
 # FSDP2CPP_DEBS (offline .deb folder), JOBS (build parallelism, default
-# nproc), GPU_BUILD, CTEST_ARGS (extra ctest arguments, e.g. "-R nccl").
+# nproc), GPU_BUILD, GPU_CHECK_BUILD (all: build the whole tree, not only the
+# fsdp2cpp_gpu_check target), CTEST_ARGS (extra ctest arguments, e.g.
+# "-R nccl").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -72,7 +75,13 @@ if ((built)) && ! grep -q "CUDA/NCCL paths ON\|CUDA/NCCL paths TRUE" "$LOGS/conf
   record FAIL "CUDA paths compiled" 0 "configure did not turn CUDA on (see $LOGS/configure.log)"
   built=0
 fi
-((built)) && { step "build (-j $JOBS)" "$LOGS/build.log" cmake --build "$BUILD" -j "$JOBS" || built=0; }
+# Only what the check runs (the fsdp2cpp_gpu_check target: the gpu tests and
+# the trainer) unless GPU_CHECK_BUILD=all: a GPU machine has no compiler
+# cache, and the whole tree is several times the work.
+if [[ "${GPU_CHECK_BUILD:-}" == all ]]; then targets=(); what="everything"; else
+  targets=(--target fsdp2cpp_gpu_check); what="gpu tests + trainer"
+fi
+((built)) && { step "build $what (-j $JOBS)" "$LOGS/build.log" cmake --build "$BUILD" -j "$JOBS" "${targets[@]}" || built=0; }
 
 # --- gpu tests --------------------------------------------------------------
 if ((built)); then
