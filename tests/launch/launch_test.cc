@@ -3,15 +3,11 @@
 // exit status of a failing or killed rank with the others stopped, the flag
 // errors of fsdprun, and maybe_launch_local driven by --nproc and by
 // FSDP2CPP_NPROC.
-#include <fcntl.h>
 #include <signal.h>
-#include <spawn.h>
 #include <stdlib.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <regex>
 #include <set>
@@ -178,48 +174,19 @@ TEST(LaunchLocalRanks, RankThatIgnoresSigtermIsKilledAfterTheGracePeriod) {
 // Starts fsdprun with `args`, sends it `sig` once every rank printed
 // "waiting", and returns how it ended.
 RunResult stop_fsdprun_when_ranks_wait(std::vector<std::string> args, int nproc, int sig) {
-  RunResult result;
-  int out_fds[2], err_fds[2];
-  if (::pipe2(out_fds, O_CLOEXEC) != 0 || ::pipe2(err_fds, O_CLOEXEC) != 0) return result;
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_adddup2(&actions, out_fds[1], STDOUT_FILENO);
-  posix_spawn_file_actions_adddup2(&actions, err_fds[1], STDERR_FILENO);
-  std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  pid_t pid = -1;
-  const int rc = ::posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ);
-  posix_spawn_file_actions_destroy(&actions);
-  ::close(out_fds[1]);
-  ::close(err_fds[1]);
-  if (rc != 0) return result;
-  const auto start = std::chrono::steady_clock::now();
+  fsdp::ChildOptions options;
+  options.separate_stderr = true;
+  options.signal = sig;
   // All ranks are up once all said so.
-  auto all_wait = [nproc](const std::string& out) {
+  options.signal_when = [nproc](const std::string& out) {
     for (int r = 0; r < nproc; ++r) {
       if (out.find("[rank" + std::to_string(r) + "] waiting") == std::string::npos) return false;
     }
     return true;
   };
-  char buffer[256];
-  while (!all_wait(result.out)) {
-    const ssize_t n = ::read(out_fds[0], buffer, sizeof(buffer));
-    if (n <= 0) break;
-    result.out.append(buffer, static_cast<size_t>(n));
-  }
-  ::kill(pid, sig);
-  result.out += fsdp_launch_test::read_all(out_fds[0]);
-  result.err = fsdp_launch_test::read_all(err_fds[0]);
-  ::close(out_fds[0]);
-  ::close(err_fds[0]);
-  int status = 0;
-  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
-  }
-  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  fsdp::ChildResult r = fsdp::run_child(args, options);
   // -1: fsdprun itself was killed, which it must never be by these signals.
-  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return result;
+  return RunResult{r.term_signal != 0 ? -1 : r.exit_code, std::move(r.output), std::move(r.error), r.seconds};
 }
 
 // SIGTERM to fsdprun reaches the ranks (they stop at once instead of

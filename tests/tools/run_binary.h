@@ -15,35 +15,17 @@
 #include <string>
 #include <vector>
 
-extern char** environ;
+#include "fsdp_common/child_process.h"
 
 namespace fsdp_train_test {
 
-struct RunResult {
-  int exit_code = -1;  // 128 + signal when killed by a signal
-  std::string output;  // stdout and stderr, interleaved
-};
+// exit_code and output (stdout and stderr, interleaved) are what is used.
+using RunResult = fsdp::ChildResult;
 
-// This process's environment without the rendezvous variables (RANK,
-// WORLD_SIZE, ...), so that a test run never joins some outer job.
-inline std::vector<std::string> environment_for_child() {
-  std::vector<std::string> env;
-  for (char** e = environ; *e != nullptr; ++e) {
-    const std::string entry = *e;
-    const std::string key = entry.substr(0, entry.find('='));
-    if (key == "RANK" || key == "WORLD_SIZE" || key == "LOCAL_RANK" || key == "LOCAL_WORLD_SIZE" ||
-        key == "MASTER_ADDR" || key == "MASTER_PORT") {
-      continue;
-    }
-    env.push_back(entry);
-  }
-  return env;
-}
-
-// Starts `program` with `args` (no shell, environment_for_child()), its
+// Starts `program` with `args` (no shell, fsdp::child_environment()), its
 // stdout and stderr on `output_fd`. Returns its pid, or -1.
 inline pid_t start_program(const std::string& program, const std::vector<std::string>& args, int output_fd) {
-  std::vector<std::string> env = environment_for_child();
+  std::vector<std::string> env = fsdp::child_environment();
   std::vector<std::string> argv_strings = {program};
   argv_strings.insert(argv_strings.end(), args.begin(), args.end());
   auto c_strings = [](std::vector<std::string>& strings) {
@@ -71,30 +53,12 @@ inline int wait_for_exit(pid_t pid) {
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
-// Runs `program` with `args` (no shell, environment_for_child()) and waits
-// for it.
+// Runs `program` with `args` (fsdp::run_child: no shell, the rendezvous
+// variables left out) and waits for it.
 inline RunResult run_program(const std::string& program, const std::vector<std::string>& args) {
-  RunResult result;
-  int fds[2];
-  if (::pipe2(fds, O_CLOEXEC) != 0) return result;
-  const pid_t pid = start_program(program, args, fds[1]);
-  ::close(fds[1]);
-  if (pid < 0) {
-    ::close(fds[0]);
-    result.output = "posix_spawn of " + program + " failed";
-    return result;
-  }
-  char buffer[4096];
-  for (ssize_t n; (n = ::read(fds[0], buffer, sizeof(buffer))) != 0;) {
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      break;
-    }
-    result.output.append(buffer, static_cast<size_t>(n));
-  }
-  ::close(fds[0]);
-  result.exit_code = wait_for_exit(pid);
-  return result;
+  std::vector<std::string> argv = {program};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return fsdp::run_child(argv);
 }
 
 // A fresh directory under $TMPDIR (or /tmp), removed with its files.

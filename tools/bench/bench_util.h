@@ -13,17 +13,17 @@
 #include <string>
 #include <vector>
 
+#include "fsdp_common/child_process.h"
+
 namespace bench {
 
-struct RunResult {
-  int exit_code = -1;  // 128 + signal when killed by a signal
-  std::string output;  // stdout and stderr, interleaved
-};
+// exit_code and output (stdout and stderr, interleaved) are what is used.
+using RunResult = fsdp::ChildResult;
 
-// Runs `program` with `args` (no shell) and waits for it. The child gets this
-// process's environment without the rendezvous variables (RANK, WORLD_SIZE,
-// MASTER_ADDR, ...), so it never joins the caller's job, plus `extra_env`
-// ("NAME=value" entries, replacing variables of the same name).
+// Runs `program` with `args` (fsdp::run_child: no shell, the caller's
+// environment without the rendezvous variables, so that it never joins the
+// caller's job) plus `extra_env` ("NAME=value" entries, replacing variables of
+// the same name), and waits for it.
 RunResult run_program(const std::string& program, const std::vector<std::string>& args,
                       const std::vector<std::string>& extra_env = {});
 
