@@ -333,8 +333,9 @@ if(NOT TARGET fsdp2cpp::torch)
     # By path where the compiler can name the shared library: on the GPU
     # machines (CXX=/opt/gcc/bin/g++, GCC 13.3 on Ubuntu 24.04) the option
     # -lstdc++ left no NEEDED libstdc++.so.6 in the programs, and every gpu
-    # test's harness jumped to address 0 in remove_all; linked by path, the
-    # entry is there and they pass (docs/gpu.md, section 2).
+    # test's parent jumped to address 0 once its ranks had passed, where the
+    # harness removes its scratch directory (the backtrace stopped there);
+    # linked by path, the entry is there and they pass (docs/gpu.md, 2).
     execute_process(COMMAND ${CMAKE_CXX_COMPILER} -print-file-name=libstdc++.so.6
                     OUTPUT_VARIABLE _fsdp2cpp_libstdcxx OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
     if(NOT IS_ABSOLUTE "${_fsdp2cpp_libstdcxx}" OR NOT EXISTS "${_fsdp2cpp_libstdcxx}"
