@@ -64,13 +64,19 @@ void Model::block(const Clock& clock, int stream) {
   join(clock_of(stream), clock);
 }
 
-void Model::host_sync(const Clock& clock) {
+void Model::count_host_sync(const char* what, const char* phase) {
+  host_syncs_.push_back(HostSync{or_default(what, "a host synchronization"), or_default(phase, kNoPhase)});
+}
+
+void Model::host_sync(const Clock& clock, const char* what, const char* phase) {
   std::lock_guard<std::mutex> lock(mu_);
+  count_host_sync(what, phase);
   for (Stream& s : streams_) join(s.clock, clock);
 }
 
-void Model::host_sync_all() {
+void Model::host_sync_all(const char* what, const char* phase) {
   std::lock_guard<std::mutex> lock(mu_);
+  count_host_sync(what, phase);
   Clock all;
   for (const Stream& s : streams_) join(all, s.clock);
   for (Stream& s : streams_) join(s.clock, all);
@@ -102,6 +108,7 @@ void Model::on_alloc(const void* ptr, size_t nbytes, int stream, const char* pha
   b.nbytes = nbytes;
   b.alloc_phase = or_default(phase, kNoPhase);
   b.alloc_op = or_default(op, kNoOp);
+  b.alloc_epoch = clock_of(stream)[static_cast<size_t>(stream)];
 }
 
 void Model::on_free(const void* ptr, const char* phase) {
@@ -149,6 +156,22 @@ void Model::access(const void* ptr, int64_t begin, int64_t end, bool write, int 
     report(kind, b, a, stream, phase, op);
     reported = true;
   }
+  // [Note: the allocation's other half] The caching allocator hands a block
+  // freed on S to the next allocation on S at once: work queued on S for the
+  // block's previous occupant may still run, ordered only before S's later
+  // work. Another stream must therefore be ordered after S's position at the
+  // allocation before it touches the block (a gradient buffer allocated on
+  // the default stream and filled on a reduce-scatter stream without that
+  // edge corrupts silently). Checked once per stream, after the accesses, so
+  // that a missing edge to a write is reported as the race on that write.
+  if (b.alloc_stream >= 0 && b.alloc_stream != stream && b.alloc_ordered_on.insert(stream).second && !reported) {
+    const Clock& c = clock_of(stream);
+    if (static_cast<size_t>(b.alloc_stream) >= c.size() || c[b.alloc_stream] < b.alloc_epoch) {
+      const Access allocation{b.alloc_stream, b.alloc_epoch, 0, static_cast<int64_t>(b.nbytes), true, b.alloc_phase,
+                              b.alloc_op};
+      report(Report::Kind::kUsedBeforeAllocationOrdered, b, allocation, stream, phase, op);
+    }
+  }
   // Drop what the new access dominates: any later access that conflicts with
   // a dropped one either is ordered after it (through the new access) or
   // conflicts with the new access too. A read does not dominate writes.
@@ -179,6 +202,16 @@ void Model::report(Report::Kind kind, const Buffer& b, const Access& first, int 
   const std::string first_desc = r.first_op + " on the " + r.first_stream + " stream (" + r.first_phase + ")";
   const std::string edge = "Missing edge: " + r.first_stream + " -> " + r.second_stream;
   switch (kind) {
+    case Report::Kind::kUsedBeforeAllocationOrdered:
+      r.message = "stream-order race (" + to_string(kind) + "): " + r.second_op + " on the " + r.second_stream +
+                  " stream (" + r.second_phase + ") touches " + r.buffer + ", which " + r.first_op +
+                  " allocated on the " + r.first_stream + " stream (" + r.first_phase + "), but the " +
+                  r.second_stream + " stream is not ordered after the " + r.first_stream +
+                  " stream's position at the allocation: the caching allocator may have handed out a block that "
+                  "work queued on " + r.first_stream + " for its previous occupant still uses. " + edge +
+                  " (an event recorded on " + r.first_stream + " after the allocation, waited for by " +
+                  r.second_stream + "), or allocate the buffer on the " + r.second_stream + " stream.";
+      break;
     case Report::Kind::kFreedInUse:
       r.message = "stream-order race (" + to_string(kind) + "): " + r.buffer + ", allocated on the " + r.second_stream +
                   " stream, was freed by the host (" + r.second_phase + ") while " + first_desc +
@@ -212,6 +245,16 @@ void Model::clear_reports() {
   thrown_ = 0;
 }
 
+std::vector<HostSync> Model::host_syncs() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return host_syncs_;
+}
+
+void Model::clear_host_syncs() {
+  std::lock_guard<std::mutex> lock(mu_);
+  host_syncs_.clear();
+}
+
 std::optional<std::string> Model::take_unthrown() {
   std::lock_guard<std::mutex> lock(mu_);
   if (options_.on_race != OnRace::kThrow || thrown_ >= reports_.size()) return std::nullopt;
@@ -235,6 +278,7 @@ std::string to_string(Report::Kind kind) {
     case Report::Kind::kWriteAfterRead: return "write after read";
     case Report::Kind::kWriteAfterWrite: return "write after write";
     case Report::Kind::kFreedInUse: return "freed while in use";
+    case Report::Kind::kUsedBeforeAllocationOrdered: return "used before its allocation was ordered";
   }
   return "unknown";
 }

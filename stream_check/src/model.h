@@ -41,8 +41,9 @@ class Model {
   // later comes after).
   Clock record(int stream);
   void block(const Clock& clock, int stream);
-  void host_sync(const Clock& clock);
-  void host_sync_all();
+  // `what` and `phase` name the synchronization in host_syncs().
+  void host_sync(const Clock& clock, const char* what, const char* phase);
+  void host_sync_all(const char* what, const char* phase);
 
   // Memory. `phase` and `op` may be null.
   void on_alloc(const void* ptr, size_t nbytes, int stream, const char* phase, const char* op);
@@ -52,8 +53,11 @@ class Model {
   // An access of bytes [begin, end) of the buffer at `ptr` by `stream`.
   void access(const void* ptr, int64_t begin, int64_t end, bool write, int stream, const char* phase, const char* op);
 
+  const Options& options() const { return options_; }
   std::vector<Report> reports() const;
   void clear_reports();
+  std::vector<HostSync> host_syncs() const;
+  void clear_host_syncs();
   // OnRace::kThrow: the message of the oldest report not yet thrown.
   std::optional<std::string> take_unthrown();
   // Reports never thrown (for the exit check of a process-lifetime checker).
@@ -75,6 +79,11 @@ class Model {
     size_t nbytes = 0;
     std::string alloc_phase;
     std::string alloc_op;
+    // The allocating stream's epoch at the allocation: the position every
+    // other stream must be ordered after before touching the block.
+    uint64_t alloc_epoch = 0;
+    // Streams already checked against the allocation (ordered, or reported once).
+    std::unordered_set<int> alloc_ordered_on;
     std::vector<Access> accesses;
     std::unordered_set<int> recorded_streams;
   };
@@ -90,6 +99,7 @@ class Model {
   std::string describe(const Buffer& b) const;
   void report(Report::Kind kind, const Buffer& b, const Access& first, int second_stream, const char* second_phase,
               const char* second_op);
+  void count_host_sync(const char* what, const char* phase);
 
   Options options_;
   mutable std::mutex mu_;
@@ -97,6 +107,7 @@ class Model {
   std::unordered_map<const void*, int> collective_streams_;
   std::unordered_map<const void*, Buffer> buffers_;
   std::vector<Report> reports_;
+  std::vector<HostSync> host_syncs_;
   std::unordered_set<std::string> seen_;
   size_t thrown_ = 0;
 };

@@ -86,12 +86,15 @@ class CheckedCpuGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   bool queryStream(const c10::Stream&) const override { return true; }
   void synchronizeStream(const c10::Stream& stream) const override {
     Model* m = model();
-    m->host_sync(m->record(stream_id(stream)));
+    m->host_sync(m->record(stream_id(stream)), "stream synchronize", t_phase);
   }
   void synchronizeEvent(void* event) const override {
-    if (event != nullptr) model()->host_sync(static_cast<EventState*>(event)->clock);
+    // An event never recorded is complete: no wait, as on CUDA.
+    if (event != nullptr) model()->host_sync(static_cast<EventState*>(event)->clock, "event synchronize", t_phase);
   }
-  void synchronizeDevice(const c10::DeviceIndex) const override { model()->host_sync_all(); }
+  void synchronizeDevice(const c10::DeviceIndex) const override {
+    model()->host_sync_all("device synchronize", t_phase);
+  }
   void recordDataPtrOnStream(const c10::DataPtr& data_ptr, const c10::Stream& stream) const override {
     if (data_ptr.get() != nullptr) model()->record_stream(data_ptr.get(), stream_id(stream));
   }
@@ -253,7 +256,10 @@ void checked_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, t
     for_each_tensor((*stack)[first + i], [&](const at::Tensor& t) { record_tensor(*m, t, true, name.c_str()); });
   }
   // Reading a value on the host waits for the stream that made it.
-  if (name == "aten::_local_scalar_dense") m->host_sync(m->record(static_cast<int>(t_stream)));
+  if (name == "aten::_local_scalar_dense") {
+    m->host_sync(m->record(static_cast<int>(t_stream)), "aten::_local_scalar_dense (item() or another scalar read)",
+                 t_phase);
+  }
   throw_if_raced(*m);
 }
 
@@ -321,7 +327,29 @@ std::vector<Report> Checker::reports() const { return g_model.load()->reports();
 
 void Checker::clear_reports() { g_model.load()->clear_reports(); }
 
+std::vector<HostSync> host_syncs() {
+  Model* m = g_model.load(std::memory_order_acquire);
+  return m != nullptr ? m->host_syncs() : std::vector<HostSync>();
+}
+
+void clear_host_syncs() {
+  if (Model* m = g_model.load(std::memory_order_acquire)) m->clear_host_syncs();
+}
+
 bool active() { return g_model.load(std::memory_order_acquire) != nullptr; }
+
+bool models_nccl() {
+  const Model* m = g_model.load(std::memory_order_acquire);
+  return m != nullptr && m->options().collectives == CollectiveModel::kNccl;
+}
+
+CollectiveModel collective_model_from_env() {
+  const char* v = std::getenv("FSDP2CPP_STREAM_CHECK_MODEL");
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "gloo") == 0) return CollectiveModel::kGloo;
+  TORCH_CHECK(std::strcmp(v, "nccl") == 0, "fsdp2cpp stream_check: FSDP2CPP_STREAM_CHECK_MODEL='", v,
+              "' is neither gloo nor nccl; set it to nccl to check the runtime as NCCL runs it, or unset it");
+  return CollectiveModel::kNccl;
+}
 
 void track_this_thread() {
   if (active()) start_tracking_this_thread();
@@ -349,6 +377,14 @@ void record_access(const at::Tensor& t, bool write, const char* what) {
     record_tensor(*m, t, write, what);
     throw_if_raced(*m);
   }
+}
+
+void host_wait(const c10::Event& event, const char* what) {
+  Model* m = tracked_model();
+  if (m == nullptr || event.device_type() != c10::kCPU) return;
+  const auto* state = static_cast<const EventState*>(event.eventId());
+  // Never recorded: complete, but the host still stopped to find that out.
+  m->host_sync(state != nullptr ? state->clock : Clock(), what, t_phase);
 }
 
 PhaseLabel::PhaseLabel(const char* label) : previous_(t_phase) { t_phase = label; }

@@ -4,6 +4,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+
 #include <ATen/ATen.h>
 #include <c10/core/Event.h>
 #include <c10/core/StreamGuard.h>
@@ -163,6 +165,7 @@ TEST(StreamCheck, HostSynchronizeOrdersEveryStream) {
   Checker checker;
   const c10::Stream side = checker.new_stream("side");
   at::Tensor t = at::empty({4});
+  wait_stream(side, current_stream());  // ordered after the allocation
   c10::Event done(c10::kCPU);
   {
     c10::StreamGuard guard(side);
@@ -219,6 +222,104 @@ TEST(StreamCheck, ThrowModeFailsTheRacingOp) {
   } catch (const c10::Error& e) {
     EXPECT_THAT(e.what_without_backtrace(), HasSubstr("read after write"));
   }
+}
+
+// The allocator's other half: a block allocated on the default stream may
+// still be in use by work queued there for its previous occupant, so a side
+// stream that fills it must first wait for the default stream's position at
+// the allocation.
+TEST(StreamCheck, AnotherStreamMustBeOrderedAfterTheAllocation) {
+  Checker checker;
+  const c10::Stream side = checker.new_stream("side");
+  for (bool ordered : {false, true}) {
+    checker.clear_reports();
+    at::Tensor t;
+    {
+      PhaseLabel phase("FSDP::test_allocation");
+      t = at::empty({8});
+    }
+    name_buffer(t, "the test buffer");
+    if (ordered) wait_stream(side, current_stream());
+    {
+      PhaseLabel phase("FSDP::test_fill");
+      c10::StreamGuard guard(side);
+      t.fill_(1);
+    }
+    wait_stream(current_stream(), side);
+    const std::vector<Report> reports = checker.reports();
+    if (ordered) {
+      EXPECT_TRUE(reports.empty()) << reports.front().message;
+      continue;
+    }
+    ASSERT_EQ(reports.size(), 1u);
+    const Report& r = reports.front();
+    EXPECT_EQ(r.kind, Report::Kind::kUsedBeforeAllocationOrdered);
+    EXPECT_EQ(r.buffer, "the test buffer");
+    EXPECT_EQ(r.first_stream, "default (compute)");
+    EXPECT_EQ(r.first_phase, "FSDP::test_allocation");
+    EXPECT_EQ(r.second_stream, "side");
+    EXPECT_EQ(r.second_phase, "FSDP::test_fill");
+    EXPECT_EQ(r.second_op, "aten::fill_");
+    EXPECT_THAT(r.message, HasSubstr("allocated on the default (compute) stream"));
+    EXPECT_THAT(r.message, HasSubstr("Missing edge: default (compute) -> side"));
+  }
+}
+
+// Every way the host waits for a stream is counted, with the phase it was
+// made in, as torch.cuda.set_sync_debug_mode reports them on a GPU; an
+// engine's blocking wait (host_wait) also orders every stream after it.
+TEST(StreamCheck, HostSynchronizationsAreCountedWithTheirPhase) {
+  Checker checker;
+  const c10::Stream side = checker.new_stream("side");
+  EXPECT_TRUE(host_syncs().empty());
+  at::Tensor t = at::ones({4});
+  {
+    PhaseLabel phase("FSDP::test_read");
+    EXPECT_EQ(t.sum().item<float>(), 4.0f);
+  }
+  c10::Event recorded(c10::kCPU);
+  recorded.record(current_stream());
+  recorded.synchronize();
+  wait_stream(side, current_stream());
+  c10::Event filled(c10::kCPU);
+  {
+    c10::StreamGuard guard(side);
+    t.fill_(2);
+    filled.record(side);
+  }
+  host_wait(filled, "a test engine's blocking wait");
+  EXPECT_EQ(t.sum().item<float>(), 8.0f);  // ordered after side's fill by the host wait
+  EXPECT_TRUE(checker.reports().empty()) << checker.reports().front().message;
+  const std::vector<HostSync> syncs = host_syncs();
+  ASSERT_EQ(syncs.size(), 4u);
+  EXPECT_THAT(syncs[0].what, HasSubstr("aten::_local_scalar_dense"));
+  EXPECT_EQ(syncs[0].phase, "FSDP::test_read");
+  EXPECT_EQ(syncs[1].what, "event synchronize");
+  EXPECT_EQ(syncs[1].phase, "outside the FSDP phases");
+  EXPECT_EQ(syncs[2].what, "a test engine's blocking wait");
+  EXPECT_THAT(syncs[3].what, HasSubstr("aten::_local_scalar_dense"));
+  clear_host_syncs();
+  EXPECT_TRUE(host_syncs().empty());
+}
+
+TEST(StreamCheck, TheCollectiveModelComesFromTheEnvironment) {
+  ::unsetenv("FSDP2CPP_STREAM_CHECK_MODEL");
+  EXPECT_EQ(collective_model_from_env(), CollectiveModel::kGloo);
+  ::setenv("FSDP2CPP_STREAM_CHECK_MODEL", "nccl", 1);
+  EXPECT_EQ(collective_model_from_env(), CollectiveModel::kNccl);
+  {
+    Checker checker;
+    EXPECT_TRUE(models_nccl());
+  }
+  EXPECT_FALSE(models_nccl());
+  ::setenv("FSDP2CPP_STREAM_CHECK_MODEL", "mpi", 1);
+  try {
+    collective_model_from_env();
+    ADD_FAILURE() << "an unknown model was accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_THAT(e.what_without_backtrace(), HasSubstr("FSDP2CPP_STREAM_CHECK_MODEL='mpi' is neither gloo nor nccl"));
+  }
+  ::unsetenv("FSDP2CPP_STREAM_CHECK_MODEL");
 }
 
 TEST(StreamCheck, OneCheckerAtATimeAndCpuWorksAfterIt) {

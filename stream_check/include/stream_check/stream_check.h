@@ -23,7 +23,15 @@
 //   - the caching allocator's rule: a block freed by the host may be reused
 //     at once by work later enqueued on the stream that allocated it, so every
 //     access by another stream must be ordered before that stream's position
-//     at the free, unless record_stream() named that other stream.
+//     at the free, unless record_stream() named that other stream;
+//   - its other half: a block handed out on stream S may still be in use by
+//     work queued on S for its previous occupant, so another stream T that
+//     touches the new block must first be ordered after S's position at the
+//     allocation (an allocation is a write by S);
+//   - host synchronizations (event, stream and device synchronize, item()
+//     and other scalar reads, a Work::wait that blocks the host) are counted
+//     with the op and FSDP phase that made them, as
+//     torch.cuda.set_sync_debug_mode does on a GPU (Checker::host_syncs()).
 // An access that is not ordered after a conflicting one (read after write,
 // write after read or write), and a free that is not ordered after another
 // stream's access, is a race: a Report names the buffer, both streams, both
@@ -41,8 +49,9 @@
 //   ASSERT_EQ(checker.reports().size(), 1u);
 //
 // Turning it on for a whole program: FSDP2CPP_STREAM_CHECK=1 in the
-// environment makes a process-lifetime Checker when the library loads, in
-// OnRace::kThrow mode (a race throws c10::Error from the op that found it;
+// environment makes a process-lifetime Checker when the library loads (with
+// FSDP2CPP_STREAM_CHECK_MODEL=nccl, in the NCCL model), in OnRace::kThrow
+// mode (a race throws c10::Error from the op that found it;
 // one found when a block is freed throws from the next op). Races never
 // thrown are printed at exit, and the process then exits with status 3.
 //
@@ -60,6 +69,7 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Event.h>
 #include <c10/core/Stream.h>
 
 namespace fsdp::stream_check {
@@ -71,6 +81,7 @@ struct Report {
     kWriteAfterRead,   // a write not ordered after an earlier read
     kWriteAfterWrite,  // a write not ordered after an earlier write
     kFreedInUse,       // freed while another stream's access may still run
+    kUsedBeforeAllocationOrdered,  // accessed on a stream not ordered after the allocating one
   };
   Kind kind;
   std::string buffer;  // "all-gather output of layers.3", or how it was made
@@ -83,13 +94,35 @@ struct Report {
 
 std::string to_string(Report::Kind kind);
 
+// One host synchronization the model saw: the host waited for device work.
+struct HostSync {
+  std::string what;   // "aten::_local_scalar_dense (item())", "event synchronize", ...
+  std::string phase;  // the FSDP phase label current on the thread, or "outside the FSDP phases"
+};
+
 enum class OnRace {
   kRecord,  // keep the report (Checker::reports())
   kThrow,   // also throw c10::Error with the report from the op that found it
 };
 
+// Which engine's semantics CPU communicators follow under the checker
+// (docs/gpu.md, "The NCCL model"). Gloo moves the bytes either way.
+enum class CollectiveModel {
+  kGloo,  // as Gloo: the communicators' backend kind is Gloo
+  kNccl,  // as NCCL: backend kind NCCL (every NCCL-only branch of the runtime
+          // runs: in-place all-gather, native AVG/PREMUL_SUM and NCCL's
+          // one-rank rules), and NCCL's wait contract: a wait without a
+          // timeout orders a stream, a wait with one blocks the host (counted
+          // in host_syncs())
+};
+
+// FSDP2CPP_STREAM_CHECK_MODEL: "nccl" or "gloo" (the default when unset).
+// Throws c10::Error naming any other value.
+CollectiveModel collective_model_from_env();
+
 struct Options {
   OnRace on_race = OnRace::kRecord;
+  CollectiveModel collectives = collective_model_from_env();
 };
 
 // Turns the model on for this process while it lives. The thread that makes
@@ -114,6 +147,16 @@ class Checker {
 // Whether a Checker is alive. Cheap (one atomic load).
 bool active();
 
+// Whether a live Checker models NCCL's semantics for CPU communicators
+// (Options::collectives == CollectiveModel::kNccl).
+bool models_nccl();
+
+// The host synchronizations the live Checker (the process's own one under
+// FSDP2CPP_STREAM_CHECK=1 included) saw since it was made or since
+// clear_host_syncs(), in order. Empty when inactive.
+std::vector<HostSync> host_syncs();
+void clear_host_syncs();
+
 // Tracks the calling thread (its ops, allocations and frees) until it exits.
 // No-op when no Checker is alive.
 void track_this_thread();
@@ -135,6 +178,13 @@ c10::Stream collective_stream(const void* communicator, const std::string& name)
 // engine that touches memory without ATen ops (a collective's transport).
 // `what` names the accessor in reports. No-op when inactive.
 void record_access(const at::Tensor& t, bool write, const char* what);
+
+// The host waits for `event` (recorded on a checked stream) where the model
+// sees no op or guard call: a collective engine's host-blocking wait. Counted
+// as a host synchronization named `what`, on the calling thread's phase, and
+// every stream's later work is ordered after the event. No-op when inactive
+// or on an untracked thread.
+void host_wait(const c10::Event& event, const char* what);
 
 // Labels the accesses made on this thread while it lives with `label` (the
 // FSDP phase labels, phase.h). `label` must outlive the scope.
