@@ -146,15 +146,51 @@ ChunkExchange exchange_chunks(c10d::Backend& backend, int size, const at::Tensor
 // makes the caller's current stream wait for that event. The engine (Gloo)
 // still runs it, but to completion at issue, finishing step included, so
 // that every operation happens in program order and the numbers stay those
-// of the program (and an error surfaces at issue, not at wait).
+// of the program (and an error surfaces at issue, not at wait). The caller's
+// wait() then reaches ModelledWork's wait, which in the NCCL model counts a
+// wait with a timeout as the host blocking (stream_check::host_wait), as
+// ProcessGroupNCCL's does.
+
+// The engine's work under the checker. The checker runs it to completion at
+// issue, through this wait (before the end event is recorded); every later
+// wait only follows the modelled engine's contract and leaves the engine
+// alone (a second wait of some Gloo works copies their output again). In the
+// NCCL model a wait with a timeout blocks the host, as ProcessGroupNCCL's
+// does, and is counted as a host synchronization.
+class ModelledWork final : public c10d::Work {
+ public:
+  ModelledWork(c10::intrusive_ptr<c10d::Work> engine, std::shared_ptr<c10::Event> end, bool nccl)
+      : c10d::Work(/*rank=*/-1, engine->retrieveOpType()), engine_(std::move(engine)), end_(std::move(end)), nccl_(nccl) {}
+
+  bool isCompleted() override { return engine_->isCompleted(); }
+  bool isSuccess() const override { return engine_->isSuccess(); }
+  std::exception_ptr exception() const override { return engine_->exception(); }
+  bool wait(std::chrono::milliseconds timeout) override {
+    if (!end_->was_marked_for_recording()) return engine_->wait(timeout);
+    if (nccl_ && timeout != ::kNoTimeout) {
+      stream_check::host_wait(*end_, "Work::wait with a timeout (NCCL blocks the host until the collective ends)");
+    }
+    return true;
+  }
+  void synchronize() override {}
+
+ private:
+  c10::intrusive_ptr<c10d::Work> engine_;
+  std::shared_ptr<c10::Event> end_;
+  bool nccl_;
+};
+
 class ModelledCollective {
  public:
-  ModelledCollective(const void* communicator, const std::string& name, const std::vector<at::Tensor>& reads,
+  ModelledCollective(const Communicator& comm, const std::vector<at::Tensor>& reads,
                      const std::vector<at::Tensor>& writes, const char* op,
                      std::shared_ptr<detail::DivergenceMonitor> monitor, int64_t record)
-      : monitor_(std::move(monitor)), record_(record) {
+      : monitor_(std::move(monitor)),
+        record_(record),
+        stream_ordered_(comm.backend_kind() == BackendKind::kNccl) {
     if (!stream_check::active()) return;
-    stream_ = stream_check::collective_stream(communicator, "collective (" + name + ")");
+    stream_ = stream_check::collective_stream(&comm, "collective (" + comm.name() + ")");
+    end_ = std::make_shared<c10::Event>(c10::kCPU);
     const c10::impl::VirtualGuardImpl impl(c10::kCPU);
     c10::Event issued(c10::kCPU);
     issued.record(impl.getStream(impl.getDevice()));
@@ -164,23 +200,31 @@ class ModelledCollective {
     for (const at::Tensor& t : writes) stream_check::record_access(t, /*write=*/true, op);
   }
 
+  // The engine's work as the Work will hold it: under the checker, modelled.
+  c10::intrusive_ptr<c10d::Work> engine_work(c10::intrusive_ptr<c10d::Work> work) const {
+    if (!stream_) return work;
+    return c10::make_intrusive<ModelledWork>(std::move(work), end_, stream_ordered_);
+  }
+
   // Attaches the collective's flight record to `work`, and models it when
   // the checker is active.
   Work finish(Work work) {
     if (monitor_) work.set_record(monitor_, record_);
+    work.set_stream_ordered(stream_ordered_);
     if (!stream_) return work;
-    work.wait();
-    auto end = std::make_shared<c10::Event>(c10::kCPU);
-    end->record(*stream_);
+    work.complete_at_issue();
+    end_->record(*stream_);
     guard_.reset();
-    work.set_end_event(std::move(end));
+    work.set_end_event(end_);
     return work;
   }
 
  private:
   std::shared_ptr<detail::DivergenceMonitor> monitor_;
   int64_t record_;
+  bool stream_ordered_;
   std::optional<c10::Stream> stream_;
+  std::shared_ptr<c10::Event> end_;
   std::optional<c10::StreamGuard> guard_;
 };
 
@@ -240,6 +284,16 @@ void Communicator::check_tensor(const at::Tensor& t, const char* op, const char*
               "); pass a contiguous tensor (.contiguous()) and copy the result back after wait()");
 }
 
+BackendKind Communicator::backend_kind() const {
+  if (backend_kind_ == BackendKind::kGloo && device_type_ == c10::kCPU && stream_check::models_nccl()) {
+    return BackendKind::kNccl;
+  }
+  return backend_kind_;
+}
+
+// The engine's own rule. In the NCCL model Gloo computes AVG and PREMUL_SUM
+// as SUM and the finishing step, which the checker runs at issue on the
+// collective's stream: where NCCL's native reduction writes the output.
 bool Communicator::native_op(const ReduceOp& op) const {
   if (backend_kind_ == BackendKind::kNccl) {
     // At one rank NCCL copies instead of reducing: it drops PREMUL_SUM's
@@ -396,11 +450,11 @@ Work Communicator::all_gather_into_tensor(const at::Tensor& output, const at::Te
               size() * input.numel(), "; allocate the output as group size times the input");
   std::string description = c10::str(kOp, " on ", name_);
   const int64_t record = begin_collective(kOp, "", {input});
-  ModelledCollective modelled(this, name_, {input}, {output}, kOp, monitor_, record);
+  ModelledCollective modelled(*this, {input}, {output}, kOp, monitor_, record);
   at::Tensor out = output;
   at::Tensor in = input;
   auto work = issue(backend_kind_, description, [&] { return backend_->_allgather_base(out, in); });
-  return modelled.finish(Work(std::move(work), std::move(description)));
+  return modelled.finish(Work(modelled.engine_work(std::move(work)), std::move(description)));
 }
 
 Work Communicator::reduce_scatter_tensor(const at::Tensor& output, const at::Tensor& input, ReduceOp op) {
@@ -415,17 +469,17 @@ Work Communicator::reduce_scatter_tensor(const at::Tensor& output, const at::Ten
   const bool native = native_op(op);
   std::string description = c10::str(kOp, "(", op.to_string(), ") on ", name_);
   const int64_t record = begin_collective(kOp, reduction_name(op), {input});
-  ModelledCollective modelled(this, name_, {input}, {output}, kOp, monitor_, record);
+  ModelledCollective modelled(*this, {input}, {output}, kOp, monitor_, record);
   if (reduces_scatter_by_all_to_all(backend_kind_, device_type_, size())) {
     ChunkExchange exchange = exchange_chunks(*backend_, size(), output, input, op, description);
-    return modelled.finish(Work(std::move(exchange.work), std::move(description), std::move(exchange.reduce)));
+    return modelled.finish(Work(modelled.engine_work(std::move(exchange.work)), std::move(description), std::move(exchange.reduce)));
   }
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = to_c10d(op, native);
   at::Tensor out = output;
   at::Tensor in = input;
   auto work = issue(backend_kind_, description, [&] { return backend_->_reduce_scatter_base(out, in, opts); });
-  return modelled.finish(Work(std::move(work), std::move(description), finish_step(op, native, size(), {output})));
+  return modelled.finish(Work(modelled.engine_work(std::move(work)), std::move(description), finish_step(op, native, size(), {output})));
 }
 
 Work Communicator::all_reduce(const at::Tensor& tensor, ReduceOp op) {
@@ -435,12 +489,12 @@ Work Communicator::all_reduce(const at::Tensor& tensor, ReduceOp op) {
   const bool native = native_op(op);
   std::string description = c10::str(kOp, "(", op.to_string(), ") on ", name_);
   const int64_t record = begin_collective(kOp, reduction_name(op), {tensor});
-  ModelledCollective modelled(this, name_, {tensor}, {tensor}, kOp, monitor_, record);
+  ModelledCollective modelled(*this, {tensor}, {tensor}, kOp, monitor_, record);
   c10d::AllreduceOptions opts;
   opts.reduceOp = to_c10d(op, native);
   std::vector<at::Tensor> tensors{tensor};
   auto work = issue(backend_kind_, description, [&] { return backend_->allreduce(tensors, opts); });
-  return modelled.finish(Work(std::move(work), std::move(description), finish_step(op, native, size(), {tensor})));
+  return modelled.finish(Work(modelled.engine_work(std::move(work)), std::move(description), finish_step(op, native, size(), {tensor})));
 }
 
 Work Communicator::broadcast(const at::Tensor& tensor, int root) {
@@ -451,20 +505,20 @@ Work Communicator::broadcast(const at::Tensor& tensor, int root) {
               "); pass the root's rank in this group, not its global rank");
   std::string description = c10::str(kOp, "(root ", root, ") on ", name_);
   const int64_t record = begin_collective(kOp, "", {tensor});
-  ModelledCollective modelled(this, name_, {tensor}, {tensor}, kOp, monitor_, record);
+  ModelledCollective modelled(*this, {tensor}, {tensor}, kOp, monitor_, record);
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
   std::vector<at::Tensor> tensors{tensor};
   auto work = issue(backend_kind_, description, [&] { return backend_->broadcast(tensors, opts); });
-  return modelled.finish(Work(std::move(work), std::move(description)));
+  return modelled.finish(Work(modelled.engine_work(std::move(work)), std::move(description)));
 }
 
 Work Communicator::barrier() {
   std::string description = c10::str("barrier on ", name_);
   const int64_t record = begin_collective("barrier", "", {});
-  ModelledCollective modelled(this, name_, {}, {}, "barrier", monitor_, record);
+  ModelledCollective modelled(*this, {}, {}, "barrier", monitor_, record);
   auto work = issue(backend_kind_, description, [&] { return backend_->barrier(); });
-  return modelled.finish(Work(std::move(work), std::move(description)));
+  return modelled.finish(Work(modelled.engine_work(std::move(work)), std::move(description)));
 }
 
 namespace {
@@ -503,12 +557,12 @@ Work Communicator::all_gather_into_tensor_coalesced(const std::vector<at::Tensor
   if (inputs.empty()) return Work();
   std::string description = c10::str(kOp, " (", inputs.size(), " tensors) on ", name_);
   const int64_t record = begin_collective(kOp, "", inputs);
-  ModelledCollective modelled(this, name_, inputs, outputs, kOp, monitor_, record);
+  ModelledCollective modelled(*this, inputs, outputs, kOp, monitor_, record);
   std::vector<at::Tensor> outs = outputs;
   std::vector<at::Tensor> ins = inputs;
   if (backend_kind_ == BackendKind::kNccl) {
     auto work = issue(backend_kind_, description, [&] { return backend_->allgather_into_tensor_coalesced(outs, ins); });
-    return modelled.finish(Work(std::move(work), std::move(description)));
+    return modelled.finish(Work(modelled.engine_work(std::move(work)), std::move(description)));
   }
   // Gloo runs each collective on its own; back to back is what coalescing
   // would do there anyway.
@@ -517,7 +571,7 @@ Work Communicator::all_gather_into_tensor_coalesced(const std::vector<at::Tensor
   for (size_t i = 0; i < ins.size(); ++i) {
     works.push_back(issue(backend_kind_, description, [&] { return backend_->_allgather_base(outs[i], ins[i]); }));
   }
-  return modelled.finish(Work(c10::make_intrusive<detail::MultiWork>(std::move(works)), std::move(description)));
+  return modelled.finish(Work(modelled.engine_work(c10::make_intrusive<detail::MultiWork>(std::move(works))), std::move(description)));
 }
 
 Work Communicator::reduce_scatter_tensor_coalesced(const std::vector<at::Tensor>& outputs,
@@ -532,7 +586,7 @@ Work Communicator::reduce_scatter_tensor_coalesced(const std::vector<at::Tensor>
   const bool native = native_op(op);
   std::string description = c10::str(kOp, "(", op.to_string(), ", ", inputs.size(), " tensors) on ", name_);
   const int64_t record = begin_collective(kOp, reduction_name(op), inputs);
-  ModelledCollective modelled(this, name_, inputs, outputs, kOp, monitor_, record);
+  ModelledCollective modelled(*this, inputs, outputs, kOp, monitor_, record);
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = to_c10d(op, native);
   std::vector<at::Tensor> outs = outputs;
@@ -541,7 +595,7 @@ Work Communicator::reduce_scatter_tensor_coalesced(const std::vector<at::Tensor>
   if (backend_kind_ == BackendKind::kNccl) {
     auto work =
         issue(backend_kind_, description, [&] { return backend_->reduce_scatter_tensor_coalesced(outs, ins, opts); });
-    return modelled.finish(Work(std::move(work), std::move(description), std::move(finish)));
+    return modelled.finish(Work(modelled.engine_work(std::move(work)), std::move(description), std::move(finish)));
   }
   if (reduces_scatter_by_all_to_all(backend_kind_, device_type_, size())) {
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
@@ -551,7 +605,7 @@ Work Communicator::reduce_scatter_tensor_coalesced(const std::vector<at::Tensor>
       works.push_back(std::move(exchange.work));
       reduces.push_back(std::move(exchange.reduce));
     }
-    return modelled.finish(Work(c10::make_intrusive<detail::MultiWork>(std::move(works)), std::move(description),
+    return modelled.finish(Work(modelled.engine_work(c10::make_intrusive<detail::MultiWork>(std::move(works))), std::move(description),
                                 [reduces = std::move(reduces)] {
                                   for (const auto& reduce : reduces) reduce();
                                 }));
@@ -563,7 +617,7 @@ Work Communicator::reduce_scatter_tensor_coalesced(const std::vector<at::Tensor>
         issue(backend_kind_, description, [&] { return backend_->_reduce_scatter_base(outs[i], ins[i], opts); }));
   }
   return modelled.finish(
-      Work(c10::make_intrusive<detail::MultiWork>(std::move(works)), std::move(description), std::move(finish)));
+      Work(modelled.engine_work(c10::make_intrusive<detail::MultiWork>(std::move(works))), std::move(description), std::move(finish)));
 }
 
 }  // namespace fsdp::collectives

@@ -54,6 +54,20 @@ std::string ranks_phrase(const std::vector<int>& ranks) {
   return (ranks.size() == 1 ? "rank " : "ranks ") + join_ranks(ranks);
 }
 
+// Whether the ranks issued one reduce-scatter of one group (same op,
+// reduction, dtype and label) that differs only in size: FSDP reduces only
+// the parameters that got a gradient, unless told to reduce the unused ones.
+bool differ_only_in_reduce_scatter_size(
+    const std::vector<std::pair<const CollectiveRecord*, std::vector<int>>>& issued) {
+  if (issued.size() < 2) return false;
+  const CollectiveFingerprint& first = issued.front().first->fingerprint;
+  if (first.op.rfind("reduce_scatter", 0) != 0) return false;
+  return std::all_of(issued.begin(), issued.end(), [&](const auto& entry) {
+    const CollectiveFingerprint& f = entry.first->fingerprint;
+    return f.op == first.op && f.reduction == first.reduction && f.dtype == first.dtype && f.label == first.label;
+  });
+}
+
 // One rank's records on one communicator, by sequence number.
 struct RankView {
   std::map<int64_t, const CollectiveRecord*> by_seq;
@@ -73,7 +87,7 @@ const CollectiveRecord* waiting_record(const FlightLog& log) {
 // The divergence on communicator `id` (members `ranks`), or empty when its
 // members agree on everything they issued.
 std::string diverged_on(const std::string& id, const std::vector<int>& ranks,
-                        const std::vector<std::optional<FlightLog>>& logs) {
+                        const std::vector<std::optional<FlightLog>>& logs, bool count_ranks_behind) {
   std::map<int, RankView> views;
   for (int r : ranks) {
     if (r < 0 || r >= static_cast<int>(logs.size()) || !logs[r]) continue;
@@ -112,10 +126,17 @@ std::string diverged_on(const std::string& id, const std::vector<int>& ranks,
         same->second.push_back(r);
       }
     }
-    if (issued.size() <= 1 && behind.empty()) continue;
+    if (issued.size() <= 1 && (behind.empty() || !count_ranks_behind)) continue;
+    if (!count_ranks_behind) behind.clear();
     std::ostringstream out;
     out << "ranks diverged at collective #" << seq << " of " << id << ":";
     for (const auto& [record, who] : issued) out << "\n    " << ranks_phrase(who) << " issued " << describe(*record);
+    if (differ_only_in_reduce_scatter_size(issued)) {
+      out << "\n    (the same group's reduce-scatter with different sizes: on some ranks some of its parameters got "
+             "no gradient in this backward, as an expert that received no token does; "
+             "FSDPModule::set_reduce_scatter_unused_params(true) reduces every parameter on every rank, as zeros "
+             "where it got none)";
+    }
     for (int r : behind) {
       const RankView& view = views.at(r);
       out << "\n    rank " << r << " has issued nothing on it";
@@ -134,6 +155,24 @@ std::string diverged_on(const std::string& id, const std::vector<int>& ranks,
     return out.str();
   }
   return "";
+}
+
+// Communicators in the order ranks first made them; the ones somebody waits
+// on first, since that is where the job stands.
+std::vector<RecordedCommunicator> communicators_by_interest(const std::vector<std::optional<FlightLog>>& logs) {
+  std::vector<RecordedCommunicator> communicators;
+  std::set<std::string> seen;
+  std::set<std::string> waited_on;
+  for (const auto& log : logs) {
+    if (!log) continue;
+    for (const auto& c : log->communicators) {
+      if (seen.insert(c.id).second) communicators.push_back(c);
+    }
+    if (const CollectiveRecord* w = waiting_record(*log)) waited_on.insert(w->communicator);
+  }
+  std::stable_partition(communicators.begin(), communicators.end(),
+                        [&](const RecordedCommunicator& c) { return waited_on.count(c.id) > 0; });
+  return communicators;
 }
 
 }  // namespace
@@ -163,34 +202,23 @@ DivergenceOptions DivergenceOptions::from_env() {
   return options;
 }
 
+std::string find_divergence(const std::vector<std::optional<FlightLog>>& logs, bool count_ranks_behind) {
+  for (const auto& c : communicators_by_interest(logs)) {
+    std::string text = diverged_on(c.id, c.global_ranks, logs, count_ranks_behind);
+    if (!text.empty()) return text;
+  }
+  return "";
+}
+
 std::string diagnose_divergence(const std::vector<std::optional<FlightLog>>& logs, int diagnosing_rank,
                                 double waited_s) {
   std::ostringstream out;
   out << "the ranks stopped issuing the same collectives: rank " << diagnosing_rank << " waited " << seconds(waited_s)
       << " for one (FSDP2CPP_DIVERGENCE_TIMEOUT_S), and the ranks' flight recorders say:";
-  // Communicators in the order ranks first made them; the ones somebody
-  // waits on first, since that is where the job stands.
-  std::vector<RecordedCommunicator> communicators;
-  std::set<std::string> seen;
-  std::set<std::string> waited_on;
-  for (const auto& log : logs) {
-    if (!log) continue;
-    for (const auto& c : log->communicators) {
-      if (seen.insert(c.id).second) communicators.push_back(c);
-    }
-    if (const CollectiveRecord* w = waiting_record(*log)) waited_on.insert(w->communicator);
-  }
-  std::stable_partition(communicators.begin(), communicators.end(),
-                        [&](const RecordedCommunicator& c) { return waited_on.count(c.id) > 0; });
-  bool found = false;
-  for (const auto& c : communicators) {
-    const std::string text = diverged_on(c.id, c.global_ranks, logs);
-    if (text.empty()) continue;
-    out << "\n  " << text;
-    found = true;
-    break;
-  }
-  if (!found) {
+  const std::string divergence = find_divergence(logs);
+  if (!divergence.empty()) {
+    out << "\n  " << divergence;
+  } else {
     out << "\n  every rank that answered issued the same collectives in the same order; the one waited for has "
            "not finished on any of them (a rank that did not answer, a slow network, or a stalled engine)";
   }

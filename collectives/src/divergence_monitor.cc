@@ -7,6 +7,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <optional>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -19,6 +21,9 @@ namespace {
 
 constexpr char kRequestKey[] = "fsdp2cpp/divergence/request";
 constexpr char kDiagnosisKey[] = "fsdp2cpp/divergence/diagnosis";
+constexpr char kStoppedKey[] = "fsdp2cpp/divergence/stopped";
+// How long the store's host waits at exit for the other ranks' watchdogs.
+constexpr std::chrono::seconds kStopWindow{5};
 // How often the watchdog looks for a request: a store round trip each time.
 constexpr std::chrono::milliseconds kPollInterval{200};
 
@@ -46,7 +51,71 @@ DivergenceMonitor::~DivergenceMonitor() {
     stop_ = true;
   }
   wake_.notify_all();
-  if (watchdog_.joinable()) watchdog_.join();
+  if (!watchdog_.joinable()) return;
+  watchdog_.join();
+  say_stopped();
+}
+
+// [Note: the divergence watchdog at exit]
+// Every watchdog polls the store, which lives in rank 0's process. When rank
+// 0 finished first and its process exited, a watchdog still polling on
+// another rank met a closed socket, and c10d printed the failed receive with
+// a stack trace on a job that ended well (about 1 clean 4-rank run in 8).
+// So each rank counts itself out once its watchdog has stopped, and rank 0
+// keeps the store up until every rank has (at most kStopWindow: a rank that
+// crashed or was stopped never counts itself out).
+void DivergenceMonitor::say_stopped() {
+  try {
+    store_->add(kStoppedKey, 1);
+    if (rank_ != 0) return;
+    const auto deadline = std::chrono::steady_clock::now() + kStopWindow;
+    while (store_->add(kStoppedKey, 0) < world_size_ && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  } catch (const std::exception&) {
+    // The store is gone already: nothing is left to protect.
+  }
+}
+
+void DivergenceMonitor::watch_in_flight(c10::intrusive_ptr<c10d::Work> work, int64_t record_id,
+                                        std::chrono::steady_clock::time_point since) {
+  if (!watching()) return;
+  std::lock_guard<std::mutex> lock(in_flight_mutex_);
+  in_flight_.push_back(InFlight{std::move(work), record_id, since});
+}
+
+// [Note: watching stream-ordered collectives]
+// On NCCL, Work::wait() makes a stream wait and returns: the host must run
+// ahead of the GPU, so it cannot be the one that notices a collective that
+// never completes. The watchdog does, as ProcessGroupNCCL's own watchdog
+// does: it polls the engine's completion of every collective a stream waits
+// for, marks the flight record when it completes, and when one is still
+// incomplete after the divergence timeout it makes the same diagnosis a
+// blocked Gloo wait makes, prints it, and ends the process a few seconds
+// later (the collectives in flight can no longer complete).
+void DivergenceMonitor::check_in_flight(std::chrono::steady_clock::time_point now) {
+  std::optional<InFlight> stalled;
+  {
+    std::lock_guard<std::mutex> lock(in_flight_mutex_);
+    auto it = in_flight_.begin();
+    while (it != in_flight_.end()) {
+      if (it->work->isCompleted()) {
+        recorder_.mark(it->record_id, it->work->exception() ? CollectiveState::kFailed : CollectiveState::kCompleted);
+        it = in_flight_.erase(it);
+        continue;
+      }
+      if (!stalled && now - it->since >= options_.timeout) stalled = *it;
+      ++it;
+    }
+  }
+  if (!stalled || failed()) return;
+  const double waited_s = std::chrono::duration<double>(now - stalled->since).count();
+  const std::string diagnosis = diagnose(waited_s);
+  std::fprintf(stderr,
+               "fsdp2cpp: rank %d: a collective that a stream waits for has not completed after %.1f s "
+               "(FSDP2CPP_DIVERGENCE_TIMEOUT_S): %s\n",
+               rank_, waited_s, diagnosis.c_str());
+  std::fflush(stderr);
 }
 
 std::chrono::milliseconds DivergenceMonitor::gather_window() const {
@@ -95,8 +164,12 @@ void DivergenceMonitor::publish(c10d::Store& store, bool diagnosing) {
 // Each prints the diagnosis first; what a training job could still do after
 // a divergence (save a checkpoint, say) would need the same collectives.
 void DivergenceMonitor::watch() {
+  // Requests are counted: a rank whose failed collective only probed the
+  // logs (diagnose_failure found the ranks agreeing) may be followed by a
+  // real diagnosis later.
+  int64_t answered_requests = 0;
   bool answered = false;
-  std::chrono::steady_clock::time_point answered_at;
+  auto answered_at = std::chrono::steady_clock::now();
   const auto grace = gather_window() + std::chrono::seconds(3);
   std::unique_lock<std::mutex> lock(mutex_);
   while (!wake_.wait_for(lock, kPollInterval, [this] { return stop_; })) {
@@ -112,21 +185,27 @@ void DivergenceMonitor::watch() {
     }
     lock.unlock();
     try {
-      if (!answered && store_->check({kRequestKey})) {
+      check_in_flight(now);
+      const int64_t requests = store_->add(kRequestKey, 0);
+      if (requests > answered_requests) {
         if (!diagnosing_) publish(*store_, /*diagnosing=*/false);
+        answered_requests = requests;
         answered = true;
         answered_at = now;
       }
       if (answered && !diagnosing_ && now - answered_at > grace) {
-        std::string diagnosis = "(no rank published a diagnosis)";
-        if (store_->check({kDiagnosisKey})) diagnosis = as_text(store_->get(kDiagnosisKey));
-        std::fprintf(stderr,
-                     "fsdp2cpp: rank %d stops: another rank found that the ranks' collectives diverged, and this "
-                     "rank's no longer match its peers'. Diagnosis:\n%s\n",
-                     rank_, diagnosis.c_str());
-        std::fflush(stderr);
-        std::fflush(stdout);
-        std::_Exit(1);
+        answered = false;
+        // No diagnosis: the ranks agreed (a probe after an engine error).
+        if (store_->check({kDiagnosisKey})) {
+          const std::string diagnosis = as_text(store_->get(kDiagnosisKey));
+          std::fprintf(stderr,
+                       "fsdp2cpp: rank %d stops: another rank found that the ranks' collectives diverged, and this "
+                       "rank's no longer match its peers'. Diagnosis:\n%s\n",
+                       rank_, diagnosis.c_str());
+          std::fflush(stderr);
+          std::fflush(stdout);
+          std::_Exit(1);
+        }
       }
     } catch (const std::exception&) {
       // The store is gone (its host, rank 0, finished first): nobody can ask
@@ -151,6 +230,27 @@ std::string DivergenceMonitor::diagnose(double waited_s) {
     if (failure_) return *failure_;
   }
   diagnosing_ = true;
+  const std::vector<std::optional<FlightLog>> logs = gather_logs_or_own();
+  return settle(diagnose_divergence(logs, rank_, waited_s));
+}
+
+std::optional<std::string> DivergenceMonitor::diagnose_failure(double waited_s) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (failure_) return *failure_;
+  }
+  // Without watchdogs (detection off) no rank would answer.
+  if (!watching()) return std::nullopt;
+  diagnosing_ = true;
+  const std::vector<std::optional<FlightLog>> logs = gather_logs_or_own();
+  if (find_divergence(logs, /*count_ranks_behind=*/false).empty()) {
+    diagnosing_ = false;
+    return std::nullopt;
+  }
+  return settle(diagnose_divergence(logs, rank_, waited_s));
+}
+
+std::vector<std::optional<FlightLog>> DivergenceMonitor::gather_logs_or_own() {
   std::vector<std::optional<FlightLog>> logs(static_cast<size_t>(world_size_));
   try {
     logs = gather_logs();
@@ -161,7 +261,10 @@ std::string DivergenceMonitor::diagnose(double waited_s) {
     logs[rank_] = std::move(own);
     std::fprintf(stderr, "fsdp2cpp: rank %d: could not gather the other ranks' flight logs: %s\n", rank_, e.what());
   }
-  std::string diagnosis = diagnose_divergence(logs, rank_, waited_s);
+  return logs;
+}
+
+std::string DivergenceMonitor::settle(std::string diagnosis) {
   try {
     if (!store_->check({kDiagnosisKey})) store_->set(kDiagnosisKey, as_bytes(diagnosis));
   } catch (const std::exception&) {

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include <c10/util/intrusive_ptr.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include "collectives/divergence.h"
 #include "collectives/flight_recorder.h"
@@ -30,7 +31,10 @@ class DivergenceMonitor {
   // too (c10d's stores serialize their operations; a clone would not do:
   // a cloned FileStore counts as one more worker when it deletes the file).
   DivergenceMonitor(const c10::intrusive_ptr<c10d::Store>& store, int rank, int world_size, DivergenceOptions options);
-  // Stops and joins the watchdog.
+  // Stops and joins the watchdog, then tells the other ranks so; the rank
+  // that hosts the store (rank 0) waits a few seconds for every other rank's
+  // watchdog to stop, so that none of them polls a store that is gone
+  // ([Note: the divergence watchdog at exit]).
   ~DivergenceMonitor();
   DivergenceMonitor(const DivergenceMonitor&) = delete;
   DivergenceMonitor& operator=(const DivergenceMonitor&) = delete;
@@ -45,6 +49,13 @@ class DivergenceMonitor {
   // diagnosis is returned to every later call, and failure() reports it.
   std::string diagnose(double waited_s);
 
+  // Called by a wait whose collective the engine failed (a peer's error, or
+  // Gloo's abort on buffers of different sizes): gathers the logs as
+  // diagnose() does and, only when they show ranks that issued different
+  // collectives (not ranks that issued fewer: an engine timeout), settles and returns that diagnosis as diagnose() would;
+  // otherwise nullopt, and nothing changes (the engine's error stands).
+  std::optional<std::string> diagnose_failure(double waited_s);
+
   // The diagnosis this process made or received, or nullopt: collectives
   // issued after one refuse to run, since the ranks no longer agree.
   std::optional<std::string> failure() const;
@@ -54,14 +65,35 @@ class DivergenceMonitor {
   // later collectives refuse to run.
   void fail(const std::string& reason);
 
+  // Watches a collective whose wait ordered a stream without blocking the
+  // host (NCCL): the watchdog marks its record completed once the engine
+  // reports it so, and diagnoses it like a blocked wait (the same diagnosis,
+  // printed, and the same exit) when it has not completed options().timeout
+  // after `since`. No-op without a watchdog ([Note: watching stream-ordered
+  // collectives]).
+  void watch_in_flight(c10::intrusive_ptr<c10d::Work> work, int64_t record_id,
+                       std::chrono::steady_clock::time_point since);
+  // Whether a watchdog thread runs (a timeout and other ranks).
+  bool watching() const { return watchdog_.joinable(); }
+
  private:
   void watch();
+  // One pass over the collectives watch_in_flight() holds: completed ones
+  // are marked and dropped; a stalled one is diagnosed (once).
+  void check_in_flight(std::chrono::steady_clock::time_point now);
+  // Tells the other ranks this one's watchdog stopped; rank 0 waits for all.
+  void say_stopped();
   // Publishes this rank's log to the store (and the dump directory).
   void publish(c10d::Store& store, bool diagnosing);
   void write_dump(const std::string& name, const std::string& text) const;
   // Requests every rank's log and collects those that arrive within
   // gather_window(); throws when the store fails.
   std::vector<std::optional<FlightLog>> gather_logs();
+  // gather_logs(), or only this rank's own log when the store is gone.
+  std::vector<std::optional<FlightLog>> gather_logs_or_own();
+  // Records `diagnosis` as this process's failure (store, dump directory,
+  // failure(), the exit deadline) and returns it.
+  std::string settle(std::string diagnosis);
   // How long a diagnosing rank waits for the others' logs.
   std::chrono::milliseconds gather_window() const;
 
@@ -81,6 +113,15 @@ class DivergenceMonitor {
   std::atomic<bool> diagnosing_{false};
   std::atomic<bool> failed_{false};
   std::mutex publish_mutex_;
+
+  struct InFlight {
+    c10::intrusive_ptr<c10d::Work> work;
+    int64_t record_id;
+    std::chrono::steady_clock::time_point since;
+  };
+  std::mutex in_flight_mutex_;
+  std::vector<InFlight> in_flight_;
+
   std::thread watchdog_;
 };
 

@@ -64,13 +64,20 @@ void Work::wait(std::chrono::milliseconds timeout) {
     try {
       done = wait_watched(timeout);
     } catch (...) {
+      const std::exception_ptr error = std::current_exception();
       // A caller's own timeout leaves the collective in flight, to be waited
       // for again.
-      if (monitor_) {
-        monitor_->recorder().mark(record_id_,
-                                  work_->isCompleted() ? CollectiveState::kFailed : CollectiveState::kIssued);
+      const bool failed = work_->isCompleted();
+      if (monitor_) monitor_->recorder().mark(record_id_, failed ? CollectiveState::kFailed : CollectiveState::kIssued);
+      // The engine's words ("op.preamble.length <= op.nbytes") do not say
+      // that the ranks issued different collectives; the logs do.
+      if (monitor_ && failed && timeout.count() == 0) {
+        const double waited_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+        if (auto diagnosis = monitor_->diagnose_failure(waited_s)) {
+          TORCH_CHECK(false, "fsdp2cpp: ", description_, " failed: ", cause_of(error), ". ", *diagnosis);
+        }
       }
-      throw_failure(description_, std::current_exception());
+      throw_failure(description_, error);
     }
     if (!done) {
       const double waited_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
@@ -78,7 +85,16 @@ void Work::wait(std::chrono::milliseconds timeout) {
       monitor_->recorder().mark(record_id_, CollectiveState::kFailed);
       TORCH_CHECK(false, "fsdp2cpp: ", description_, " did not complete: ", diagnosis);
     }
-    if (monitor_) monitor_->recorder().mark(record_id_, CollectiveState::kCompleted);
+    if (monitor_) {
+      // A stream waits for it, the host does not: the monitor's watchdog
+      // marks it completed, or diagnoses it ([Note: watching stream-ordered
+      // collectives]).
+      if (stream_ordered_ && timeout.count() == 0 && !work_->isCompleted() && monitor_->watching()) {
+        monitor_->watch_in_flight(work_, record_id_, started);
+      } else {
+        monitor_->recorder().mark(record_id_, CollectiveState::kCompleted);
+      }
+    }
   }
   waited_ = true;
   // Moved out before it runs, so that a failing finish step (it should not
@@ -89,6 +105,14 @@ void Work::wait(std::chrono::milliseconds timeout) {
     finish_ = nullptr;
     finish();
   }
+}
+
+void Work::complete_at_issue() {
+  const bool stream_ordered = stream_ordered_;
+  stream_ordered_ = false;
+  wait();
+  stream_ordered_ = stream_ordered;
+  waited_ = false;
 }
 
 void Work::then(std::function<void()> step) {
@@ -104,11 +128,27 @@ void Work::then(std::function<void()> step) {
 }
 
 bool Work::wait_watched(std::chrono::milliseconds timeout) {
-  const std::chrono::milliseconds threshold = monitor_ ? monitor_->options().timeout : std::chrono::milliseconds(0);
   // A caller that gives a timeout bounds the wait itself (a checkpoint's
-  // barrier behind a slow disk may rightly take minutes): not watched.
-  if (threshold.count() == 0 || timeout.count() != 0) {
+  // barrier behind a slow disk may rightly take minutes): not watched. On
+  // NCCL this blocks the host until the collective completes, as
+  // ProcessGroupNCCL's wait does with any timeout.
+  if (timeout.count() != 0) {
     work_->wait(timeout);
+    return true;
+  }
+  // [Note: NCCL's wait never gets a timeout] ProcessGroupNCCL's wait with a
+  // timeout busy-waits the host until the collective completes (and aborts
+  // the communicator when it expires); without one it only makes the
+  // caller's current stream wait. Every FSDP wait must be the latter, or the
+  // host could never run ahead of the GPU: the monitor's watchdog watches
+  // the collective instead.
+  if (stream_ordered_) {
+    work_->wait(::kNoTimeout);
+    return true;
+  }
+  const std::chrono::milliseconds threshold = monitor_ ? monitor_->options().timeout : std::chrono::milliseconds(0);
+  if (threshold.count() == 0) {
+    work_->wait(::kNoTimeout);
     return true;
   }
   try {

@@ -30,6 +30,7 @@ namespace {
 
 using ::fsdp::testing::RankContext;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 std::string store_get(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key) {
   const std::vector<uint8_t> value = store->get(key);
@@ -167,6 +168,40 @@ TEST(RendezvousTest, EnvRendezvousAcrossProcesses) {
   });
 }
 
+// [Note: the divergence watchdog at exit] (divergence_monitor.cc): rank 0
+// hosts the env:// store and leaves first, while the other ranks keep their
+// worlds, and so their divergence watchdogs polling the store, a second and
+// a half longer. No rank may print c10d's failed receive from a store that
+// is gone: rank 0 keeps it up until every watchdog has stopped.
+TEST(RendezvousTest, RanksThatOutliveTheStoresHostExitQuietly) {
+  fsdp::testing::DistributedTestOptions options;
+  options.world_size = 4;
+  const auto outcomes = fsdp::testing::run_distributed_collect(options, [](RankContext& ctx) {
+    const auto& store = ctx.world()->store();
+    if (ctx.rank() == 0) store_set(store, "exit_test/port", std::to_string(free_port()));
+    const std::string port = store_get(store, "exit_test/port");
+    setenv("MASTER_ADDR", "127.0.0.1", 1);
+    setenv("MASTER_PORT", port.c_str(), 1);
+    setenv("RANK", std::to_string(ctx.rank()).c_str(), 1);
+    setenv("WORLD_SIZE", "4", 1);
+    setenv("LOCAL_RANK", std::to_string(ctx.rank()).c_str(), 1);
+    setenv("LOCAL_WORLD_SIZE", "4", 1);
+    auto world = World::from_env();
+    world->new_group(world->all_ranks(), c10::kCPU)->barrier().wait();
+    if (ctx.rank() != 0) std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    world.reset();
+    std::cout << "LEFT" << std::endl;
+  });
+  if (fsdp::testing::is_rank_process()) return;
+  ASSERT_EQ(outcomes.size(), 4u);
+  for (const auto& o : outcomes) {
+    EXPECT_TRUE(o.ok()) << o.describe() << "\n" << o.output;
+    EXPECT_THAT(o.output, HasSubstr("LEFT")) << o.output;
+    EXPECT_THAT(o.output, Not(HasSubstr("recvValue failed"))) << o.output;
+    EXPECT_THAT(o.output, Not(HasSubstr("Connection was likely closed"))) << o.output;
+  }
+}
+
 TEST(RendezvousTest, RanksThatJoinedNameTheRankThatNeverCame) {
   fsdp::testing::run_distributed(3, [](RankContext& ctx) {
     const auto& store = ctx.world()->store();
@@ -194,6 +229,36 @@ TEST(RendezvousTest, RanksThatJoinedNameTheRankThatNeverCame) {
       rmdir(path.substr(0, path.rfind('/')).c_str());
     }
   });
+}
+
+// ---- strict mode ---------------------------------------------------------------
+
+// Strict mode on a subgroup whose group ranks are not its global ranks (the
+// members listed as {2, 0}), with collectives that differ only in size: both
+// members fail at once, each naming itself first and the other second, by
+// global rank, with both sizes.
+TEST(StrictTest, ASubgroupNamesGlobalRanksAndBothSizes) {
+  ::setenv("FSDP2CPP_STRICT_COLLECTIVES", "1", 1);
+  fsdp::testing::DistributedTestOptions options;
+  options.world_size = 3;
+  fsdp::testing::run_distributed(options, [](RankContext& ctx) {
+    if (ctx.rank() == 1) return;
+    const auto group = ctx.world()->new_group({2, 0}, c10::kCPU);
+    const int64_t mine = ctx.rank() == 0 ? 4 : 6;
+    const int64_t theirs = ctx.rank() == 0 ? 6 : 4;
+    at::Tensor t = at::ones({mine});
+    try {
+      group->all_reduce(t, ReduceOp::sum()).wait();
+      ADD_FAILURE() << "all_reduce of different sizes passed strict mode";
+    } catch (const c10::Error& e) {
+      const std::string expected = c10::str(
+          "strict collectives: the members of gloo[2,0]#0 issue different collectives as #1: rank ", ctx.rank(),
+          " issues all_reduce(SUM, Float, ", mine, " elements); rank ", 2 - ctx.rank(), " issues all_reduce(SUM, Float, ",
+          theirs, " elements)");
+      EXPECT_THAT(e.what_without_backtrace(), HasSubstr(expected));
+    }
+  });
+  ::unsetenv("FSDP2CPP_STRICT_COLLECTIVES");
 }
 
 // ---- failures ------------------------------------------------------------------

@@ -1,16 +1,21 @@
 // The flight recorder, the divergence diagnosis over hand-written logs, and
 // the environment variables of divergence.h and communicator.h: no peers.
+#include <chrono>
+#include <cstdio>
 #include <cstdlib>
+#include <thread>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include "collectives/communicator.h"
 #include "collectives/divergence.h"
 #include "collectives/flight_recorder.h"
+#include "divergence_monitor.h"  // collectives/src
 #include "fsdp_testing/expect_error.h"
 
 namespace fsdp::collectives {
@@ -110,13 +115,14 @@ struct LogBuilder {
     log.communicators.push_back({"gloo[0,1,2]#0", std::move(members)});
   }
   LogBuilder& add(int64_t seq, const std::string& op, const std::string& label, const std::string& context,
-                  CollectiveState state = CollectiveState::kCompleted, const std::string& comm = "gloo[0,1,2]#0") {
+                  CollectiveState state = CollectiveState::kCompleted, const std::string& comm = "gloo[0,1,2]#0",
+                  int64_t numel = 78) {
     CollectiveRecord r;
     r.communicator = comm;
     r.seq = seq;
     r.fingerprint.op = op;
     r.fingerprint.dtype = "Float";
-    r.fingerprint.numel = 78;
+    r.fingerprint.numel = numel;
     r.fingerprint.tensors = 1;
     r.fingerprint.label = label;
     r.context = context;
@@ -149,6 +155,31 @@ TEST(DiagnoseDivergence, NamesTheFirstCollectiveThatDiffersAndEachSide) {
                               "(layers.2)"))
       << text;
   EXPECT_THAT(text, HasSubstr("rank 2: waiting 3 s for #2 of gloo[0,1,2]#0")) << text;
+}
+
+// Ranks that issue the same collective of the same group with different
+// sizes (an expert that got no token on one rank, and so no gradient to
+// reduce) diverge, and the diagnosis names both sizes and the likely cause.
+TEST(DiagnoseDivergence, ReduceScattersThatDifferOnlyInSizeAreNamedWithTheUnusedParameterHint) {
+  LogBuilder r0(0, {0, 1}), r1(1, {0, 1});
+  r0.add(1, "reduce_scatter_tensor", "FSDP::reduce_scatter (blocks.0)", "FSDP::post_backward (blocks.0)",
+         CollectiveState::kFailed, "gloo[0,1,2]#0", 99456);
+  r1.add(1, "reduce_scatter_tensor", "FSDP::reduce_scatter (blocks.0)", "FSDP::post_backward (blocks.0)",
+         CollectiveState::kFailed, "gloo[0,1,2]#0", 66304);
+  const std::string text = diagnose_divergence({r0.log, r1.log}, 1, 0.2);
+  EXPECT_THAT(text, HasSubstr("ranks diverged at collective #1 of gloo[0,1,2]#0:")) << text;
+  EXPECT_THAT(text, HasSubstr("rank 0 issued reduce_scatter_tensor(Float, 99456 elements) for FSDP::reduce_scatter "
+                              "(blocks.0)"))
+      << text;
+  EXPECT_THAT(text, HasSubstr("rank 1 issued reduce_scatter_tensor(Float, 66304 elements)")) << text;
+  EXPECT_THAT(text, HasSubstr("set_reduce_scatter_unused_params(true)")) << text;
+  // All-gathers of different sizes are not that case: no hint.
+  LogBuilder a0(0, {0, 1}), a1(1, {0, 1});
+  a0.add(1, "all_gather_into_tensor", "FSDP::all_gather (blocks.0)", "", CollectiveState::kFailed, "gloo[0,1,2]#0", 8);
+  a1.add(1, "all_gather_into_tensor", "FSDP::all_gather (blocks.0)", "", CollectiveState::kFailed, "gloo[0,1,2]#0", 6);
+  const std::string gathers = diagnose_divergence({a0.log, a1.log}, 0, 0.2);
+  EXPECT_THAT(gathers, HasSubstr("8 elements")) << gathers;
+  EXPECT_THAT(gathers, Not(HasSubstr("set_reduce_scatter_unused_params"))) << gathers;
 }
 
 // The same collective of the same group, once from the forward and once from
@@ -236,6 +267,50 @@ TEST_F(DivergenceEnv, MalformedVariablesAreNamed) {
   ::unsetenv("FSDP2CPP_FLIGHT_RECORDER_SIZE");
   ::setenv("FSDP2CPP_STRICT_COLLECTIVES", "yes", 1);
   FSDP2CPP_EXPECT_THROW_WITH(DivergenceOptions::from_env(), "FSDP2CPP_STRICT_COLLECTIVES='yes'", "neither 0 nor 1");
+}
+
+// A collective whose engine never completes it, waited for as NCCL waits
+// (the wait orders a stream and returns): the host is not blocked, and the
+// monitor's watchdog makes the divergence diagnosis after the timeout,
+// prints it and ends the process, as it does for a blocked Gloo wait.
+class NeverCompletes : public c10d::Work {
+ public:
+  NeverCompletes() : c10d::Work(/*rank=*/0, c10d::OpType::ALLGATHER) {}
+  bool isCompleted() override { return false; }
+  bool wait(std::chrono::milliseconds timeout) override {
+    // ProcessGroupNCCL: a timeout blocks the host until it expires, then
+    // fails; without one, only a stream waits.
+    if (timeout != ::kNoTimeout) {
+      std::this_thread::sleep_for(timeout);
+      TORCH_CHECK(false, "timed out (NeverCompletes)");
+    }
+    return true;
+  }
+};
+
+void wait_for_a_collective_that_never_completes() {
+  DivergenceOptions options;
+  options.timeout = std::chrono::milliseconds(300);
+  auto monitor = std::make_shared<detail::DivergenceMonitor>(c10::make_intrusive<c10d::HashStore>(), /*rank=*/0,
+                                                             /*world_size=*/2, options);
+  const int comm = monitor->recorder().register_communicator("nccl[0,1]#0", {0, 1});
+  const int64_t record =
+      monitor->recorder().record_issue(comm, 1, "all_gather_into_tensor", "", c10::kFloat, true, 64, 1);
+  Work work(c10::make_intrusive<NeverCompletes>(), "all_gather_into_tensor on nccl[0,1]");
+  work.set_record(monitor, record);
+  work.set_stream_ordered(true);
+  work.wait();
+  std::fprintf(stderr, "the wait returned\n");
+  std::this_thread::sleep_for(std::chrono::seconds(60));
+  std::fprintf(stderr, "the watchdog did not end the process\n");
+  std::exit(0);
+}
+
+TEST(DivergenceWatchdog, AStreamOrderedWaitReturnsAndTheWatchdogDiagnosesTheStall) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(wait_for_a_collective_that_never_completes(), ::testing::ExitedWithCode(1),
+              "the wait returned(.|\n)*a collective that a stream waits for has not completed after(.|\n)*"
+              "rank 0: waiting .* for #1 of nccl\\[0,1\\]#0(.|\n)*rank 1: did not answer(.|\n)*rank 0 exits");
 }
 
 TEST_F(DivergenceEnv, CollectiveTimeoutComesFromTheEnvironment) {

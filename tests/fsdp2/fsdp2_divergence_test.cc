@@ -265,6 +265,73 @@ TEST(Divergence, DifferentFullyShardGroups) {
   }
 }
 
+// Two experts in one group, and on rank 1 the second expert gets no token:
+// without set_reduce_scatter_unused_params the ranks reduce-scatter the
+// group with different sizes (rank 0 both experts, rank 1 one). Gloo aborts
+// on the mismatched buffers; every rank must still end within seconds with
+// the diagnosis that names both sizes and the unused-parameter hint, in the
+// default mode and in strict mode (where the check names them first).
+struct ExpertsImpl : torch::nn::Module {
+  ExpertsImpl() : e0(register_module("e0", torch::nn::Linear(8, 8))), e1(register_module("e1", torch::nn::Linear(8, 8))) {}
+  at::Tensor forward(const at::Tensor& x) { return use_e1 ? e0(x) + e1(x) : e0(x); }
+  torch::nn::Linear e0, e1;
+  bool use_e1 = true;
+};
+FSDP2CPP_MODULE(Experts);
+
+struct MoeImpl : torch::nn::Module {
+  MoeImpl() : experts(register_module("experts", Experts())) {}
+  at::Tensor forward(const at::Tensor& x) { return experts(x); }
+  Experts experts;
+};
+TORCH_MODULE(Moe);
+
+TEST(Divergence, ReduceScattersThatDifferOnlyInSizeNameBothSizes) {
+  for (const char* strict : {"0", "1"}) {
+    ::setenv("FSDP2CPP_STRICT_COLLECTIVES", strict, 1);
+    ::setenv("FSDP2CPP_DIVERGENCE_TIMEOUT_S", std::to_string(kThresholdSeconds).c_str(), 1);
+    DistributedTestOptions options;
+    options.world_size = 2;
+    options.communicator.timeout = std::chrono::minutes(10);
+    options.timeout = std::chrono::seconds(240);
+    auto outcomes = testing::run_distributed_collect(options, [](RankContext& ctx) {
+      torch::manual_seed(0);
+      Moe model;
+      model->experts->use_e1 = ctx.rank() == 0;
+      FullyShardOptions o;
+      o.mesh = ctx.mesh();
+      fully_shard(model->experts, o);
+      fully_shard(model.ptr(), o);
+      try {
+        call_module(*model, at::randn({4, 8})).pow(2).mean().backward();
+        ctx.world_group()->barrier().wait();
+      } catch (const c10::Error& e) {
+        std::cout << "DIAGNOSIS(rank " << ctx.rank() << "): " << e.what_without_backtrace() << std::endl;
+        throw;
+      }
+    });
+    ::unsetenv("FSDP2CPP_STRICT_COLLECTIVES");
+    ::unsetenv("FSDP2CPP_DIVERGENCE_TIMEOUT_S");
+    if (testing::is_rank_process()) return;
+    ASSERT_EQ(outcomes.size(), 2u);
+    for (const RankOutcome& o : outcomes) {
+      EXPECT_TRUE(o.exited && o.exit_code != 0) << "strict " << strict << ": " << o.describe() << "\n" << o.output;
+      EXPECT_FALSE(o.timed_out) << o.describe();
+      EXPECT_LT(o.seconds, 120.0) << o.describe();
+      // Padded shards at 2 ranks: 36 elements per expert per rank.
+      EXPECT_THAT(o.output, HasSubstr("Float, 144 elements) for FSDP::reduce_scatter (experts)"))
+          << "strict " << strict << ":\n" << o.output;
+      EXPECT_THAT(o.output, HasSubstr("Float, 72 elements) for FSDP::reduce_scatter (experts)"))
+          << "strict " << strict << ":\n" << o.output;
+      if (std::string(strict) == "0") {
+        EXPECT_THAT(o.output, HasSubstr("set_reduce_scatter_unused_params(true)")) << o.output;
+      } else {
+        EXPECT_THAT(o.output, HasSubstr("strict collectives: the members of gloo[0,1]")) << o.output;
+      }
+    }
+  }
+}
+
 // Strict mode checks each collective before issuing it: the first one that
 // differs (in the backward, as in ModuleSkippedOnOneRank) fails at once on
 // every rank, naming both.

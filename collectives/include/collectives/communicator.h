@@ -91,7 +91,14 @@ class Communicator {
   // Global ranks of the members, in group-rank order.
   const std::vector<int>& global_ranks() const { return global_ranks_; }
   c10::DeviceType device_type() const { return device_type_; }
-  BackendKind backend_kind() const { return backend_kind_; }
+  // The engine whose semantics the communicator follows: its in-place rules,
+  // native reductions and wait contract (work.h). While a stream-order
+  // checker models NCCL (stream_check.h, docs/gpu.md) a CPU communicator
+  // reports kNccl, and follows NCCL's wait contract, while Gloo moves its
+  // bytes.
+  BackendKind backend_kind() const;
+  // The engine that moves the bytes: backend_kind() except in that model.
+  BackendKind engine_kind() const { return backend_kind_; }
   // A stable, human-readable name, "<backend>[<global ranks>]" ("gloo[0,2]"),
   // used in errors and logs.
   const std::string& name() const { return name_; }
@@ -162,7 +169,7 @@ class Communicator {
   Work recorded(Work work, int64_t record) const;
 
   c10::intrusive_ptr<c10d::Backend> backend_;
-  BackendKind backend_kind_;
+  BackendKind backend_kind_;  // the engine's
   c10::DeviceType device_type_;
   int rank_;
   std::vector<int> global_ranks_;

@@ -39,10 +39,19 @@
 // of a few words, waited for on the host: a debugging aid, docs/debugging.md
 // gives its cost), and fails on every member at once with both fingerprints.
 //
-// Detection watches host waits: on Gloo every Work::wait() blocks the host.
-// On NCCL wait() only orders streams, so a hang shows where the host next
-// synchronizes, outside this library; NCCL's own timeout and flight recorder
-// apply there, and strict mode still checks the order of issue.
+// Detection watches host waits on Gloo, where every Work::wait() blocks the
+// host. On NCCL a wait only orders the caller's stream and returns (work.h);
+// the watchdog then polls the engine for the collective's completion, as
+// ProcessGroupNCCL's own watchdog does, and one that has not completed
+// DivergenceOptions::timeout after its wait is diagnosed the same way: the
+// diagnosis printed on stderr, then the exit of (3.).
+//
+// A collective that the engine fails (Gloo aborts when ranks exchange
+// buffers of different sizes: "op.preamble.length <= op.nbytes") makes the
+// waiting rank gather the logs too; when they show that the ranks issued
+// different collectives (a reduce-scatter of one group with different
+// sizes, say), the error names both, with the likely cause, instead of the
+// engine's words alone, and the process ends as in (3.).
 #pragma once
 
 #include <chrono>
@@ -87,6 +96,13 @@ struct DivergenceOptions {
 // diagnosing rank `diagnosing_rank` had waited. Pure: no communication.
 std::string diagnose_divergence(const std::vector<std::optional<FlightLog>>& logs, int diagnosing_rank,
                                 double waited_s);
+
+// The first collective where the ranks' logs disagree (what
+// diagnose_divergence names first), or empty when every rank that answered
+// issued the same collectives in the same order. With `count_ranks_behind`
+// false, only ranks that issued different collectives count, not ranks that
+// issued fewer (a stall). Pure.
+std::string find_divergence(const std::vector<std::optional<FlightLog>>& logs, bool count_ranks_behind = true);
 
 // Checks that every member of `comm` holds the same `lines` (a description
 // of something all ranks must agree on, one item per line: a model's

@@ -5,9 +5,13 @@
 //
 // Stream contract on CUDA (NCCL): the collective is ordered after the work
 // already enqueued on the caller's current stream when the operation was
-// called. wait() makes the caller's *current* stream wait for the collective;
-// the host does not block. On CPU (Gloo) wait() blocks the host until the
-// result is in the output tensor.
+// called. wait() without a timeout makes the caller's *current* stream wait
+// for the collective; the host does not block (a collective that never
+// completes is found by the divergence monitor's watchdog, divergence.h).
+// wait(timeout) with a timeout of the caller's blocks the host until the
+// collective completed, as ProcessGroupNCCL's wait does with any timeout.
+// On CPU (Gloo) wait() blocks the host until the result is in the output
+// tensor.
 //
 // Outputs are only valid after wait(): some reductions finish with a scale
 // applied at wait time (see reduce_op.h).
@@ -55,10 +59,11 @@ class Work {
   // c10::Error naming the collective when it failed, a peer died, or
   // `timeout` (when non-zero) passed; after a timeout the collective is still
   // in flight and wait() may be called again. A wait without a timeout that
-  // blocks the host for the World's divergence timeout (divergence.h) throws
-  // the diagnosis of the ranks' flight recorders instead; the communicator is
-  // unusable after that. A wait with a timeout is bounded by its caller and
-  // not watched.
+  // blocks the host (Gloo) for the World's divergence timeout (divergence.h)
+  // throws the diagnosis of the ranks' flight recorders instead; the
+  // communicator is unusable after that. A wait with a timeout is bounded by
+  // its caller and not watched; on NCCL it blocks the host (see above), so
+  // the runtime never passes one.
   void wait(std::chrono::milliseconds timeout = kDefaultTimeout);
 
   // Appends a finishing step, run once inside wait() after the collective
@@ -90,6 +95,16 @@ class Work {
   // Internal: the flight-recorder entry of this collective, which wait()
   // updates, and the monitor that diagnoses a wait that blocks too long.
   void set_record(std::shared_ptr<detail::DivergenceMonitor> monitor, int64_t record_id);
+  // Internal: the engine's wait orders a stream and returns (NCCL, and the
+  // stream-order checker's NCCL model): wait() never passes the engine a
+  // timeout of its own, and the monitor watches the collective instead
+  // ([Note: NCCL's wait never gets a timeout], work.cc).
+  void set_stream_ordered(bool stream_ordered) { stream_ordered_ = stream_ordered; }
+  // Internal: the stream-order checker runs every collective to completion
+  // at issue: waits for the engine (watched as a blocking Gloo wait is) and
+  // runs the finishing steps, but leaves the Work to be waited for, so that
+  // the caller's wait() still goes through the engine's wait contract.
+  void complete_at_issue();
 
  private:
   // Waits for work_ up to `timeout` (0: no limit); false when the divergence
@@ -100,6 +115,7 @@ class Work {
   std::string description_;
   std::function<void()> finish_;
   bool waited_ = false;
+  bool stream_ordered_ = false;
   std::shared_ptr<c10::Event> end_event_;
   std::shared_ptr<detail::DivergenceMonitor> monitor_;
   int64_t record_id_ = 0;
