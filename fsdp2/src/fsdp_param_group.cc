@@ -288,6 +288,7 @@ void FSDPParamGroup::unshard(bool async_op) {
   result.separate_input = input.defined() && !input.is_alias_of(output) && !from_post_forward;
   if (custom_all_gather_) result.custom_input = input;
   result.copy_in_done = DeviceEvent::record(copy_in_stream);
+  result.copy_in_stream = copy_in_stream;
   if (offload_to_cpu_) offload_copy_in_done_ = result.copy_in_done;
   result.all_gather_stream = all_gather_stream;
   {
@@ -770,10 +771,20 @@ void FSDPParamGroup::reset_iter_state() {
     } catch (const c10::Error&) {
     }
   };
-  if (all_gather_) wait_quietly(all_gather_->work);
+  // The buffers are freed by the host below, and the caching allocator hands
+  // them to the next allocation on the stream that allocated them: that
+  // stream, not only the caller's, must wait for the collective still using
+  // them (a prefetch in flight when a forward threw).
+  if (all_gather_) {
+    OptionalStreamGuard guard(all_gather_->copy_in_stream);
+    wait_quietly(all_gather_->work);
+  }
   all_gather_.reset();
   wait_for_offload_copies();
-  if (pending_reduce_) wait_quietly(pending_reduce_->work);
+  if (pending_reduce_) {
+    OptionalStreamGuard guard(pending_reduce_->stream);
+    wait_quietly(pending_reduce_->work);
+  }
   pending_reduce_.reset();
   if (comm_ctx_ != nullptr) comm_ctx_->forget_reduce_scatter(this);
   partial_reduce_output_ = at::Tensor();

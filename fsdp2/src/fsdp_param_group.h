@@ -110,6 +110,9 @@ struct AllGatherResult {
   at::Tensor output;  // world * sum(padded_shard_numel)
   collectives::Work work;
   DeviceEvent copy_in_done;
+  // Where the output (and a separate input) were allocated: the stream the
+  // caching allocator gives their blocks back to.
+  std::optional<c10::Stream> copy_in_stream;
   std::optional<c10::Stream> all_gather_stream;
   bool async_op = false;
   // The input is a buffer of its own, made on the copy-in stream (Gloo).

@@ -434,6 +434,32 @@ TEST_P(ForwardPrefetch, ResetIterStateAfterAThrowWithAPrefetchInFlight) {
   });
 }
 
+// The same with an explicit prefetch (b0 prefetches b2) in flight when b1
+// throws, the case that also holds with streams (the stream-order runs,
+// where the implicit prefetch pipelines instead): reset_iter_state must
+// order the stream that allocated the all-gather's buffers after the
+// collective before they go back to the allocator, not only the caller's.
+TEST_P(ForwardPrefetch, ResetIterStateAfterAThrowWithAnExplicitPrefetchInFlight) {
+  testing::run_distributed(GetParam(), [](testing::RankContext& ctx) {
+    Rig s(ctx);
+    s.forward_backward(0);
+    s.step();
+    s.blocks[0].set_modules_to_forward_prefetch({s.blocks[2]});
+    s.model->set_probe([](int i) { TORCH_CHECK(i != 1, "planted failure in b1"); });
+    const Batch local = chain_batch(1).slice(ctx.rank(), ctx.world_size());
+    EXPECT_THROW_WITH(call_module(*s.model, local.x), "planted failure in b1");
+    s.root->reset_iter_state();
+    EXPECT_EQ(s.root->unsharded_bytes(), 0);
+    for (size_t i = 0; i < s.blocks.size(); ++i) EXPECT_EQ(s.blocks[i].unsharded_bytes(), 0) << "block " << i;
+    s.model->set_probe({});
+    for (int step = 1; step < 3; ++step) {
+      s.forward_backward(step);
+      s.step();
+    }
+    expect_params_match(*s.model, *s.reference, ctx.mesh());
+  });
+}
+
 // After training with the full order [root, b0, b1, b2, b3], a forward that
 // skips the two middle blocks issues exactly these all-gathers: the root's,
 // b0 (prefetched by the root), b1 (prefetched by b0, which still stands at
