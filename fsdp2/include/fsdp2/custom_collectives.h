@@ -135,6 +135,13 @@ class ReduceScatter {
   // it). The default is at::empty. The input is allocated on the current
   // stream (the copy-in of the gradients runs there) and the output on the
   // reduce-scatter stream. Same REQUIREMENTS as AllGather::allocate.
+  // The runtime protects the output across streams with record_stream (the
+  // output becomes the sharded gradients, read on the caller's stream),
+  // which CUDA applies only to the caching allocator's blocks: memory from
+  // elsewhere (a pool of your own, symmetric memory) must stay valid and
+  // unreused until the tensor is dropped and every stream that read the
+  // gradients made from it is past its use. Give such memory a DataPtr whose
+  // deleter returns it to your pool only after an event recorded then.
   virtual at::Tensor allocate(c10::IntArrayRef sizes, c10::ScalarType dtype, c10::Device device);
 
   // reduce_scatter

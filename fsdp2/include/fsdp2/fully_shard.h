@@ -277,7 +277,12 @@ class UnshardHandle {
   UnshardHandle() = default;
   // Makes the unsharded parameters usable: waits for the all-gather and
   // copies out (on CUDA: the current stream waits, not the host). No-op for
-  // an already-completed handle.
+  // an already-completed handle. Call it with the stream current that was
+  // current at unshard(), as FSDP2 expects too: the all-gather's buffers were
+  // allocated on that stream, and the caching allocator reuses their blocks
+  // in that stream's order once they are freed. Waiting on another stream T
+  // needs T ordered after that stream first, and that stream ordered after T
+  // before the module reshards.
   void wait();
 
   explicit UnshardHandle(std::shared_ptr<detail::FSDPState> state) : state_(std::move(state)) {}
