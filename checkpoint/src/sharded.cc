@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <map>
 #include <memory>
 #include <optional>
@@ -72,7 +73,7 @@ std::optional<std::vector<std::string>> manifest_files_for(const std::string& di
           files.push_back(name);
         }
       }
-    } catch (const c10::Error&) {
+    } catch (const std::exception&) {
       continue;
     }
     if (files.empty()) continue;
