@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <map>
 #include <memory>
 #include <optional>
@@ -16,6 +17,7 @@
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
+#include "checkpoint/checkpoint_dir.h"
 #include "io_util.h"
 #include "load_core.h"
 
@@ -46,18 +48,66 @@ std::string join_keys(const std::vector<std::string>& keys) {
   return out.str();
 }
 
-// What a directory of DCP's sharded files (shard-NNNNN-model-00001-of-00001,
-// one per writing rank, numbered from 1) says about a missing file, for a
-// load that found too few saved elements: the numbers missing below the
-// highest one present, named exactly; else the file after the highest one,
-// which is the probable cause when the saved global shape comes out too
-// small (the files record no world size or global shape, so nothing tells a
-// missing last file from a smaller tensor). Empty for other layouts.
+std::string base_name(const std::string& path) { return path.substr(path.find_last_of('/') + 1); }
+
+// The files the manifest of a checkpoint lists for `dir` (see
+// SavedIndex::manifest_files), and that manifest's path. A manifest that
+// cannot be read is as none: it only sharpens an error message here.
+std::optional<std::vector<std::string>> manifest_files_for(const std::string& dir, std::string* manifest_path) {
+  std::string trimmed = dir;
+  while (trimmed.size() > 1 && trimmed.back() == '/') trimmed.pop_back();
+  const size_t slash = trimmed.find_last_of('/');
+  const std::string parent = slash == std::string::npos ? "." : slash == 0 ? "/" : trimmed.substr(0, slash);
+  const std::string sub = slash == std::string::npos ? trimmed : trimmed.substr(slash + 1);
+  // (directory holding manifest.json, prefix of this directory's files in it)
+  const std::pair<std::string, std::string> candidates[] = {{trimmed, ""}, {parent, sub + "/"}};
+  for (const auto& [holder, prefix] : candidates) {
+    if (!detail::is_regular_file(detail::join_path(holder, kManifestFileName))) continue;
+    std::vector<std::string> files;
+    try {
+      for (const auto& f : read_manifest(holder).files) {
+        if (f.path.rfind(prefix, 0) != 0) continue;
+        const std::string name = f.path.substr(prefix.size());
+        if (name.find('/') == std::string::npos && name.size() > 12 &&
+            name.compare(name.size() - 12, 12, ".safetensors") == 0) {
+          files.push_back(name);
+        }
+      }
+    } catch (const std::exception&) {
+      continue;
+    }
+    if (files.empty()) continue;
+    *manifest_path = detail::join_path(holder, kManifestFileName);
+    return files;
+  }
+  return std::nullopt;
+}
+
+// What a directory says about a missing file, for a load that found too few
+// saved elements or keys. With a manifest (SavedIndex::manifest_files): the
+// listed files that are not there, or nothing when all are (the model then
+// differs from the one saved, and the shapes in the error say how). Without
+// one, for DCP's sharded files (shard-NNNNN-model-00001-of-00001, one per
+// writing rank, numbered from 1): the numbers missing below the highest one
+// present, named exactly; else, when the saved global shape comes out too
+// small, the file after the highest one (the files record no world size or
+// global shape, so nothing tells a missing last file from a model saved with
+// smaller sizes, and the hint says both). Empty for other layouts.
 std::string missing_shard_file_hint(const detail::SavedIndex& index, bool saved_shape_too_small) {
+  if (index.manifest_files.has_value()) {
+    std::set<std::string> names;
+    for (const auto& f : index.files) names.insert(base_name(f->path()));
+    std::vector<std::string> absent;
+    for (const auto& listed : *index.manifest_files) {
+      if (names.count(listed) == 0) absent.push_back(listed);
+    }
+    if (absent.empty()) return "";
+    return c10::str(": '", index.dir, "' lacks ", join_keys(absent), ", which ", index.manifest_path,
+                    " lists; copy the whole checkpoint directory");
+  }
   std::set<int> present;
   for (const auto& f : index.files) {
-    const std::string& path = f->path();
-    const std::string name = path.substr(path.find_last_of('/') + 1);
+    const std::string name = base_name(f->path());
     const int number = name.size() > 11 ? static_cast<int>(std::strtol(name.substr(6, 5).c_str(), nullptr, 10)) : 0;
     if (number < 1 || name != sharded_file_name(number - 1)) return "";
     present.insert(number);
@@ -74,9 +124,11 @@ std::string missing_shard_file_hint(const detail::SavedIndex& index, bool saved_
   }
   if (!saved_shape_too_small) return "";
   return c10::str(": '", index.dir, "' holds ", sharded_file_name(0), " to ", sharded_file_name(highest - 1),
-                  " (PyTorch's sharded layout, no manifest), so ", sharded_file_name(highest),
-                  " (the next writing rank's file, or more after it) is probably missing; copy the whole directory, "
-                  "or load a checkpoint with a manifest, which names every file");
+                  " and no manifest lists its files, so either the model was saved with smaller sizes than the "
+                  "target's or ",
+                  sharded_file_name(highest),
+                  " (the next writing rank's file, or more after it) is missing; build the model with the saved "
+                  "sizes, or copy the whole directory");
 }
 
 }  // namespace
@@ -128,6 +180,7 @@ SavedIndex SavedIndex::build(const std::string& dir) {
   }
   TORCH_CHECK(!names.empty(), "checkpoint: '", dir,
               "' holds no *.safetensors file (nor a model.safetensors.index.json): nothing to load");
+  index.manifest_files = manifest_files_for(dir, &index.manifest_path);
 
   for (const auto& name : names) {
     const std::string path = join_path(dir, name);
@@ -216,7 +269,8 @@ SavedIndex SavedIndex::build(const std::string& dir) {
   return index;
 }
 
-LoadResult load_into(StateDict& target, const SavedIndex& index, const LoadOptions& options) {
+LoadResult load_into(StateDict& target, const SavedIndex& index, const LoadOptions& options,
+                     const char* strict_option) {
   const auto start = Clock::now();
   LoadResult result;
   result.files = static_cast<int64_t>(index.files.size());
@@ -256,8 +310,8 @@ LoadResult load_into(StateDict& target, const SavedIndex& index, const LoadOptio
                 result.unexpected_keys.empty()
                     ? std::string()
                     : "unexpected keys (saved, not in the target): " + join_keys(result.unexpected_keys),
-                missing_shard_file_hint(index, !result.missing_keys.empty()),
-                ". Pass strict = false to load the keys both have.");
+                missing_shard_file_hint(index, !result.missing_keys.empty()), ". Set ", strict_option,
+                " = false to load the keys both have.");
   }
 
   // Check shapes, dtypes and coverage of every entry before copying anything.

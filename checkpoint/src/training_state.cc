@@ -21,6 +21,7 @@
 #include "checkpoint/sharded.h"
 #include "collectives/flight_recorder.h"
 #include "io_util.h"
+#include "load_core.h"
 
 namespace fsdp::checkpoint {
 
@@ -612,7 +613,9 @@ TrainingStateLoadResult load_training_state(const std::string& dir, TrainingStat
         StatefulState s = item->stateful->state_dict();
         const json& entry = saved_items[name];
         if (!s.tensors.empty() || entry.value("tensors", int64_t{0}) > 0) {
-          const LoadResult loaded = load_sharded(s.tensors, detail::join_path(dir, name), load_options);
+          const detail::SavedIndex index = detail::SavedIndex::build(detail::join_path(dir, name));
+          const LoadResult loaded =
+              detail::load_into(s.tensors, index, load_options, "TrainingStateLoadOptions::strict_tensors");
           result.bytes_read += loaded.bytes_read;
         }
         s.json.clear();

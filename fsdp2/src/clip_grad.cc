@@ -35,32 +35,52 @@ void add_to_bucket(std::vector<GradBucket>& buckets, const at::Tensor& grad) {
   buckets.push_back({grad.device(), grad.scalar_type(), {grad}});
 }
 
-// The gradients of `root`'s module, split into those of sharded parameters
-// (each rank holds its rows) and those of parameters left full on every rank
-// (ignored_params), and the group the norm is reduced over.
-struct ModelGrads {
+// The gradients whose rows are split over one shard group: the parameters
+// of every FSDPParamGroup whose mesh's last dim has these ranks on this rank
+// (under HSDP the replicas hold equal shards, so the replicate dim is left
+// out). Groups over equal ranks are merged: every member of a shard group
+// sees the same ranks, so all members merge alike and issue the same
+// collectives.
+struct ShardSet {
+  std::shared_ptr<collectives::Communicator> comm;
   std::vector<GradBucket> sharded;
+  // Parameters fully_shard left alone (ignored_params), full on every rank;
+  // only in the root's set.
   std::vector<GradBucket> replicated;
-  std::shared_ptr<collectives::Communicator> shard_comm;
+};
+
+// The gradients of `root`'s module by shard group, the root's first, then
+// the others in the order of named_modules (the same on every rank, so the
+// all-reduces of get_total_norm are issued in the same order everywhere).
+struct ModelGrads {
+  std::vector<ShardSet> sets;
   c10::Device device{c10::kCPU};
   bool any_double = false;
 };
 
+size_t set_of(std::vector<ShardSet>& sets, const std::shared_ptr<collectives::Communicator>& comm) {
+  for (size_t i = 0; i < sets.size(); ++i) {
+    if (sets[i].comm->global_ranks() == comm->global_ranks()) return i;
+  }
+  sets.push_back(ShardSet{comm, {}, {}});
+  return sets.size() - 1;
+}
+
 ModelGrads collect_grads(const FSDPModule& root, const char* api) {
   ModelGrads out;
-  out.shard_comm = root.mesh().group(root.mesh().ndim() - 1);
+  out.sets.push_back(ShardSet{root.mesh().group(root.mesh().ndim() - 1), {}, {}});
   out.device = root.state()->device();
-  std::unordered_map<const c10::TensorImpl*, const detail::FSDPParam*> managed;
+  struct Managed {
+    const detail::FSDPParam* param;
+    size_t set;
+  };
+  std::unordered_map<const c10::TensorImpl*, Managed> managed;
   for (const auto& item : root.module().named_modules(/*name_prefix=*/"", /*include_self=*/true)) {
     auto state = detail::state_of(*item.value());
     if (!state) continue;
     for (const auto& group : state->groups()) {
-      const auto& comm = group->mesh().group(group->mesh().ndim() - 1);
-      TORCH_CHECK(comm->global_ranks() == out.shard_comm->global_ranks(), "fsdp2: ", api, ": module '", item.key(),
-                  "' is sharded over ", comm->name(), " but the root over ", out.shard_comm->name(),
-                  "; the norm of a model sharded over different groups (per-parameter meshes included) is not "
-                  "defined here. Shard every module over the root's mesh.");
-      for (const auto& p : group->params()) managed.emplace(p->param().unsafeGetTensorImpl(), p.get());
+      const size_t set = set_of(out.sets, group->mesh().group(group->mesh().ndim() - 1));
+      for (const auto& p : group->params()) managed.emplace(p->param().unsafeGetTensorImpl(), Managed{p.get(), set});
     }
   }
   std::unordered_set<const c10::TensorImpl*> seen;
@@ -69,7 +89,7 @@ ModelGrads collect_grads(const FSDPModule& root, const char* api) {
     if (!seen.insert(p.unsafeGetTensorImpl()).second || !p.grad().defined()) continue;
     const at::Tensor& g = p.grad();
     auto it = managed.find(p.unsafeGetTensorImpl());
-    TORCH_CHECK(it == managed.end() || it->second->state() == detail::ShardedState::kSharded, "fsdp2: ", api,
+    TORCH_CHECK(it == managed.end() || it->second.param->state() == detail::ShardedState::kSharded, "fsdp2: ", api,
                 ": parameter '", item.key(),
                 "' is unsharded, so its gradient is not reduced yet; call it after the backward that reduces the "
                 "gradients (gradient sync on, set_is_last_backward(true)) has finished");
@@ -77,7 +97,11 @@ ModelGrads collect_grads(const FSDPModule& root, const char* api) {
                 g.sizes(), ", which does not match the parameter's shape ", p.sizes(),
                 "; call it after backward has finished");
     out.any_double = out.any_double || g.scalar_type() == at::kDouble;
-    add_to_bucket(it == managed.end() ? out.replicated : out.sharded, g);
+    if (it == managed.end()) {
+      add_to_bucket(out.sets.front().replicated, g);
+    } else {
+      add_to_bucket(out.sets[it->second.set].sharded, g);
+    }
   }
   return out;
 }
@@ -112,9 +136,18 @@ at::Tensor local_contribution(const std::vector<GradBucket>& buckets, double nor
 }
 
 std::vector<GradBucket> all_buckets(ModelGrads grads) {
-  std::vector<GradBucket> all = std::move(grads.sharded);
-  for (auto& b : grads.replicated) all.push_back(std::move(b));
+  std::vector<GradBucket> all;
+  for (auto& set : grads.sets) {
+    for (auto& b : set.sharded) all.push_back(std::move(b));
+    for (auto& b : set.replicated) all.push_back(std::move(b));
+  }
   return all;
+}
+
+at::Tensor combine(const at::Tensor& a, const at::Tensor& b, bool inf_norm) {
+  if (!a.defined()) return b;
+  if (!b.defined()) return a;
+  return inf_norm ? at::maximum(a, b) : a + b;
 }
 
 }  // namespace
@@ -126,24 +159,27 @@ at::Tensor get_total_norm(const FSDPModule& root, double norm_type, bool error_i
   ModelGrads grads = collect_grads(root, kApi);
   c10::NoGradGuard no_grad;
   const at::ScalarType acc = grads.any_double ? at::kDouble : at::kFloat;
-  at::Tensor local = local_contribution(grads.sharded, norm_type, acc, grads.device);
-  at::Tensor replicated = local_contribution(grads.replicated, norm_type, acc, grads.device);
-  if (replicated.defined()) {
+  // Per shard group: the sum of the p-th powers (the largest element for the
+  // infinity norm) of its parameters' rows, reduced over the group, is that
+  // group's share of the whole model's, the same on every rank; the shares
+  // are then combined here, without another collective (torchtitan's
+  // clipping of expert-parallel models does the same per mesh).
+  at::Tensor total;
+  for (const ShardSet& set : grads.sets) {
+    at::Tensor local = local_contribution(set.sharded, norm_type, acc, grads.device);
+    at::Tensor replicated = local_contribution(set.replicated, norm_type, acc, grads.device);
     // Full on every rank: counted once over the group (see clip_grad.h).
-    if (!inf_norm) replicated = replicated / static_cast<double>(grads.shard_comm->size());
-    if (!local.defined()) {
-      local = replicated;
-    } else {
-      local = inf_norm ? at::maximum(local, replicated) : local + replicated;
-    }
+    if (replicated.defined() && !inf_norm) replicated = replicated / static_cast<double>(set.comm->size());
+    local = combine(local, replicated, inf_norm);
+    // Norms are >= 0, so zero is the neutral element of both reductions.
+    local = local.defined() ? local.reshape({1}).contiguous()
+                            : at::zeros({1}, at::TensorOptions().dtype(acc).device(grads.device));
+    // One collective per shard group; the current stream waits on NCCL.
+    const collectives::CollectiveLabel label("FSDP::clip_grad_norm_ (total norm)");
+    set.comm->all_reduce(local, inf_norm ? collectives::ReduceOp::max() : collectives::ReduceOp::sum()).wait();
+    total = combine(total, local.reshape({}), inf_norm);
   }
-  // Norms are >= 0, so zero is the neutral element of both reductions.
-  local = local.defined() ? local.reshape({1}).contiguous()
-                          : at::zeros({1}, at::TensorOptions().dtype(acc).device(grads.device));
-  // One collective for the whole model; the current stream waits on NCCL.
-  const collectives::CollectiveLabel label("FSDP::clip_grad_norm_ (total norm)");
-  grads.shard_comm->all_reduce(local, inf_norm ? collectives::ReduceOp::max() : collectives::ReduceOp::sum()).wait();
-  at::Tensor total = inf_norm ? local.reshape({}) : local.reshape({}).pow(1.0 / norm_type);
+  total = inf_norm ? total : total.pow(1.0 / norm_type);
   if (error_if_nonfinite) {
     const double value = total.item<double>();
     TORCH_CHECK(std::isfinite(value), "fsdp2: ", kApi, ": the total norm of order ", norm_type,

@@ -191,10 +191,12 @@ FSDPParamGroup::FSDPParamGroup(std::vector<at::Tensor> params, std::vector<std::
   update_fast_path();
 }
 
-void FSDPParamGroup::lazy_init(FSDPCommContext* comm_ctx, std::string module_fqn) {
+void FSDPParamGroup::lazy_init(FSDPCommContext* comm_ctx, std::string module_fqn, int group_index) {
   comm_ctx_ = comm_ctx;
   module_fqn_ = std::move(module_fqn);
-  phase_labels_ = PhaseLabels(module_fqn_);
+  const std::string group =
+      group_index < 0 ? "" : "group " + std::to_string(group_index) + ", mesh " + shard_comm_->name();
+  phase_labels_ = PhaseLabels(module_fqn_, group);
 }
 
 void FSDPParamGroup::unshard(bool async_op) {

@@ -207,8 +207,10 @@ class FSDPParamGroup {
   FSDPParamGroup(const FSDPParamGroup&) = delete;
   FSDPParamGroup& operator=(const FSDPParamGroup&) = delete;
 
-  // Set at the root's lazy init.
-  void lazy_init(FSDPCommContext* comm_ctx, std::string module_fqn);
+  // Set at the root's lazy init. `group_index`: this group's index in its
+  // state when the state has several groups (per-parameter meshes), named
+  // with its shard mesh in the phase labels; -1 when it is the only one.
+  void lazy_init(FSDPCommContext* comm_ctx, std::string module_fqn, int group_index = -1);
   bool initialized() const { return comm_ctx_ != nullptr; }
   // share_comm_ctx: the context of the roots this group's root now shares.
   void set_comm_context(FSDPCommContext* comm_ctx) { comm_ctx_ = comm_ctx; }

@@ -157,7 +157,7 @@ void FSDPState::lazy_init() {
           if (p->fqn().rfind(prefix, 0) != 0) p->set_fqn(prefix + p->fqn());
         }
       }
-      group->lazy_init(ctx_->comm.get(), state->fqn_);
+      group->lazy_init(ctx_->comm.get(), state->fqn_, state->groups_.size() > 1 ? static_cast<int>(gi) : -1);
     }
   }
   ctx_->comm->states.insert(ctx_->comm->states.end(), ctx_->all_states.begin(), ctx_->all_states.end());

@@ -19,10 +19,10 @@ constexpr std::array<const char*, static_cast<std::size_t>(Phase::kCount)> kPhas
 
 }  // namespace
 
-PhaseLabels::PhaseLabels(const std::string& module_fqn) {
+PhaseLabels::PhaseLabels(const std::string& module_fqn, const std::string& group) {
   // FSDP2 leaves the root's labels bare ("FSDP::all_gather"); in a trace or
   // a divergence report that reads as no module at all, so it is named.
-  const std::string module = module_fqn.empty() ? "root" : module_fqn;
+  const std::string module = (module_fqn.empty() ? "root" : module_fqn) + (group.empty() ? "" : ", " + group);
   for (std::size_t i = 0; i < labels_.size(); ++i) {
     const auto phase = static_cast<Phase>(i);
     std::string label = kPhaseNames[i];

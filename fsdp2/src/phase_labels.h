@@ -31,10 +31,13 @@ enum class Phase : std::size_t {
 // One group's label for every Phase ("FSDP::all_gather (layers.3)", or
 // "FSDP::all_gather (root)" for the module with the empty FQN), built once when the
 // group learns its module's FQN, so that labelling a phase on the per-step
-// path builds no string.
+// path builds no string. A module with several groups (per-parameter meshes)
+// gives each a `group` note, which tells them apart in a trace:
+// "FSDP::all_gather (blocks.0, group 1, mesh gloo[0,1,2,3])"; a module with
+// one group passes none and keeps the plain label.
 class PhaseLabels {
  public:
-  explicit PhaseLabels(const std::string& module_fqn = "");
+  explicit PhaseLabels(const std::string& module_fqn = "", const std::string& group = "");
   const std::string& operator[](Phase phase) const { return labels_[static_cast<std::size_t>(phase)]; }
 
  private:

@@ -1,5 +1,7 @@
 #include "fsdp2/profiler.h"
 
+#include <dlfcn.h>
+
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
@@ -14,6 +16,7 @@
 #include <ATen/Context.h>
 #include <ATen/record_function.h>
 #include <c10/util/Exception.h>
+#include <kineto/ILoggerObserver.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
 
 namespace fsdp {
@@ -67,6 +70,39 @@ void check_schedule(const ProfilerSchedule& s) {
               "; a cycle records at least one step");
 }
 
+// [Note: Kineto without a GPU] Kineto (inside libtorch_cpu; the CUDA wheel's
+// is built with CUPTI) asks the CUDA runtime for the device count when it
+// processes a trace, to write the devices' properties, whatever activities
+// were asked for, and logs a failure at ERROR: on a host without a GPU
+// driver every rank printed "gpuGetDeviceCount failed with code 35" with
+// record_cuda false. Kineto lowers its own threshold to ERROR when it first
+// starts (unless KINETO_LOG_LEVEL is set), so while a trace of CPU activity
+// only is being made, its threshold is raised above ERROR, and put back when
+// the trace is written. Its threshold is a variable libtorch_cpu exports
+// (libkineto::Logger::severityLevel_, a std::atomic<int>), found at run time:
+// a LibTorch without it keeps Kineto's message, and nothing else changes.
+std::atomic<int>* kineto_log_threshold() {
+  static std::atomic<int>* const level =
+      static_cast<std::atomic<int>*>(::dlsym(RTLD_DEFAULT, "_ZN9libkineto6Logger14severityLevel_E"));
+  return level;
+}
+
+// The threshold to put back, or -1 when it was not raised.
+int kineto_threshold_before = -1;
+
+void quiet_kineto_errors() {
+  std::atomic<int>* level = kineto_log_threshold();
+  const char* user_level = std::getenv("KINETO_LOG_LEVEL");
+  if (level == nullptr || kineto_threshold_before >= 0 || (user_level != nullptr && *user_level != '\0')) return;
+  kineto_threshold_before = level->exchange(libkineto::LoggerOutputType::ERROR + 1);
+}
+
+void restore_kineto_errors() {
+  if (kineto_threshold_before < 0) return;
+  kineto_log_threshold()->store(kineto_threshold_before);
+  kineto_threshold_before = -1;
+}
+
 std::set<ActivityType> activities(bool cuda) {
   std::set<ActivityType> out = {ActivityType::CPU};
   if (cuda) out.insert(ActivityType::CUDA);
@@ -111,6 +147,7 @@ Profiler::~Profiler() {
         kineto::disableProfiler();
       } catch (...) {  // NOLINT(bugprone-empty-catch): already unwinding from the loop's own error
       }
+      restore_kineto_errors();
     } else {
       try {
         stop_and_save(step_number());
@@ -120,6 +157,7 @@ Profiler::~Profiler() {
     }
     stopped_ = true;
   }
+  restore_kineto_errors();  // a warm-up that never recorded raised it too
   profiler_exists = false;
 }
 
@@ -149,10 +187,15 @@ void Profiler::transition(Action from, Action to, int64_t last_step) {
   }
 }
 
-void Profiler::prepare() { kineto::prepareProfiler(config_of(options_), activities(*options_.record_cuda)); }
+void Profiler::prepare() {
+  kineto::prepareProfiler(config_of(options_), activities(*options_.record_cuda));
+  // After Kineto's first start, which sets its threshold (see the note).
+  if (!*options_.record_cuda) quiet_kineto_errors();
+}
 
 void Profiler::start() {
   kineto::enableProfiler(config_of(options_), activities(*options_.record_cuda));
+  if (!*options_.record_cuda) quiet_kineto_errors();
   running_ = true;
   cycle_first_step_ = step_number();
 }
@@ -160,6 +203,10 @@ void Profiler::start() {
 void Profiler::stop_and_save(int64_t last_step) {
   if (!running_) return;
   running_ = false;
+  // Kineto's threshold comes back once the trace is processed and written.
+  const struct RestoreKinetoErrors {
+    ~RestoreKinetoErrors() { restore_kineto_errors(); }
+  } restore;
   std::unique_ptr<kineto::ProfilerResult> result = kineto::disableProfiler();
   TORCH_CHECK(result != nullptr, "fsdp::Profiler: LibTorch's profiler returned no result for steps ", cycle_first_step_,
               "..", last_step);

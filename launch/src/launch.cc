@@ -411,11 +411,25 @@ int launch_local_ranks(const LaunchOptions& options) {
   const std::vector<std::string> args =
       options.args.empty() ? std::vector<std::string>{options.program.empty() ? path : options.program} : options.args;
 
+  // N ranks that each start one OpenMP thread per core oversubscribe the
+  // machine N times over (intra-op parallelism in every rank), so, as
+  // torchrun does, several local ranks get OMP_NUM_THREADS=1 unless the user
+  // chose a value; said once, not per attempt.
+  LaunchOptions effective = options;
+  if (options.nproc > 1 && std::getenv(kOmpNumThreadsEnv) == nullptr &&
+      options.extra_env.count(kOmpNumThreadsEnv) == 0) {
+    effective.extra_env[kOmpNumThreadsEnv] = "1";
+    std::fprintf(stderr,
+                 "%s: OMP_NUM_THREADS is not set; setting it to 1 for each of the %d ranks so that they do not "
+                 "overload this machine (set OMP_NUM_THREADS yourself to tune the threads per rank)\n",
+                 name, options.nproc);
+  }
+
   // One handler for all attempts, so that a stop signal that arrives between
   // two attempts is seen too and ends the job instead of restarting it.
   const ForwardStopSignals forward_stop_signals;
   for (int attempt = 0;; ++attempt) {
-    const AttemptResult result = run_attempt(options, path, args, attempt);
+    const AttemptResult result = run_attempt(effective, path, args, attempt);
     if (result.status == 0 || result.failed_rank < 0 || g_stop_signal != 0) return result.status;
     const std::string failure = describe_failure(result);
     if (attempt == options.max_restarts) {

@@ -202,20 +202,44 @@ TEST(CheckpointDir, MissingPiecesAndCorruptFilesAreReportedByName) {
   EXPECT_TRUE(full.at("embed.weight").local().equal(at::zeros({10, 3}))) << "nothing is half-loaded";
   ckpt_test::write_bytes(shard1, original);
   EXPECT_NO_THROW(ckpt::verify_checkpoint(ckpt_dir));
-  // The last file missing from the directory, which has no manifest of its
-  // own (what --init-from DIR/model or a copy of PyTorch's files meets):
-  // nothing records the global shapes, so the saved ones come out too small,
-  // and the error names the file after the last one present.
+  // The last file missing: nothing in the files records the global shapes,
+  // so the saved ones come out too small. The checkpoint's manifest lists
+  // the file, so the error names it as missing.
   const std::string shard2_name = ckpt::sharded_file_name(2);
   const std::string shard2 = ckpt_dir + "/model/" + shard2_name;
   const std::string original2 = ckpt_test::read_bytes(shard2);
   ::unlink(shard2.c_str());
-  const std::string probably_missing =
-      shard2_name + " (the next writing rank's file, or more after it) is probably missing";
-  CKPT_EXPECT_THROW_WITH(ckpt::load_sharded(full, ckpt_dir + "/model"),
-                         "key 'embed.weight' has the global shape [10, 3] in the target but [8, 3]",
-                         probably_missing.c_str(), "copy the whole directory");
+  EXPECT_EQ(ckpt_test::error_of([&] { ckpt::load_sharded(full, ckpt_dir + "/model"); }),
+            "checkpoint: key 'embed.weight' has the global shape [10, 3] in the target but [8, 3] in '" + ckpt_dir +
+                "/model': '" + ckpt_dir + "/model' lacks '" + shard2_name + "', which " + ckpt_dir +
+                "/manifest.json lists; copy the whole checkpoint directory");
+  // The same files without a manifest (what --init-from DIR/model or a copy
+  // of PyTorch's files meets): a missing last file and a model saved with
+  // smaller sizes look alike, and the error says both.
+  const std::string bare = root / "bare-model";
+  ASSERT_EQ(::mkdir(bare.c_str(), 0755), 0);
+  for (int r = 0; r < 2; ++r) {
+    const std::string name = ckpt::sharded_file_name(r);
+    ckpt_test::write_bytes(bare + "/" + name, ckpt_test::read_bytes(ckpt_dir + "/model/" + name));
+  }
+  EXPECT_EQ(ckpt_test::error_of([&] { ckpt::load_sharded(full, bare); }),
+            "checkpoint: key 'embed.weight' has the global shape [10, 3] in the target but [8, 3] in '" + bare +
+                "': '" + bare + "' holds " + ckpt::sharded_file_name(0) + " to " + ckpt::sharded_file_name(1) +
+                " and no manifest lists its files, so either the model was saved with smaller sizes than the "
+                "target's or " +
+                shard2_name +
+                " (the next writing rank's file, or more after it) is missing; build the model with the saved "
+                "sizes, or copy the whole directory");
   ckpt_test::write_bytes(shard2, original2);
+  // Every file there, the model wider than the one saved (a user's model of
+  // another width): the shapes say it all, and no file is called missing.
+  {
+    fsdp::StateDict wider = ckpt_test::make_full_zeros();
+    wider.insert_or_assign("embed.weight", at::zeros({12, 3}));
+    EXPECT_EQ(ckpt_test::error_of([&] { ckpt::load_sharded(wider, ckpt_dir + "/model"); }),
+              "checkpoint: key 'embed.weight' has the global shape [12, 3] in the target but [10, 3] in '" + ckpt_dir +
+                  "/model'");
+  }
   // The first file missing: the plain tensors (rank 0 writes them) are missing keys.
   const std::string shard0_name = ckpt::sharded_file_name(0);
   const std::string shard0 = ckpt_dir + "/model/" + shard0_name;

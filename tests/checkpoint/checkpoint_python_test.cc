@@ -7,11 +7,14 @@
 // save_training_state checkpoint. Both sides compare with the same formula,
 // computed independently.
 #include <stdio.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 
 #include <map>
+#include <sstream>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -36,9 +39,12 @@ struct PythonResult {
   std::string output;
 };
 
-PythonResult run_interop(const std::string& command, const std::string& dir) {
-  const std::string cmd = std::string("'") + FSDP2CPP_TEST_PYTHON + "' '" + FSDP2CPP_CHECKPOINT_INTEROP_PY + "' " +
-                          command + " '" + dir + "' 2>&1";
+// Runs `script` with the venv's Python and `args` (each quoted), stdout and
+// stderr together.
+PythonResult run_python(const std::string& script, const std::vector<std::string>& args) {
+  std::string cmd = std::string("'") + FSDP2CPP_TEST_PYTHON + "' '" + script + "'";
+  for (const auto& a : args) cmd += " '" + a + "'";
+  cmd += " 2>&1";
   PythonResult r;
   FILE* pipe = ::popen(cmd.c_str(), "r");
   if (pipe == nullptr) return r;
@@ -49,6 +55,13 @@ PythonResult run_interop(const std::string& command, const std::string& dir) {
   r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
   return r;
 }
+
+PythonResult run_interop(const std::string& command, const std::string& dir) {
+  return run_python(FSDP2CPP_CHECKPOINT_INTEROP_PY, {command, dir});
+}
+
+const std::string kSourceDir = FSDP2CPP_SOURCE_DIR;
+const std::string kHelper = kSourceDir + "/checkpoint/python/fsdp2cpp_checkpoint.py";
 
 #define SKIP_WITHOUT_PYTHON()                                                                         \
   do {                                                                                                \
@@ -154,6 +167,110 @@ TEST(CheckpointPython, PyTorchReadsTheModelOptimizerAndGeneratorOfATrainingState
   EXPECT_NE(r.output.find("read_training_state: model 7 and optim 14 tensors, step 5, param_groups and the "
                           "generator as saved"),
             std::string::npos)
+      << r.output;
+}
+
+// checkpoint/python/fsdp2cpp_checkpoint.py lists a checkpoint saved at 3
+// ranks (every key, dtype, global shape, and each piece's file and rows),
+// and its state_dict_skeleton is what dcp.load needs (interop.py compares
+// the loaded values with the formula).
+TEST(CheckpointPython, HelperListsTheTensorsAndBuildsTheSkeletonDcpLoadNeeds) {
+  SKIP_WITHOUT_PYTHON();
+  ckpt_test::SharedDir root;
+  fsdp::testing::run_distributed(3, [&](RankContext& ctx) {
+    fsdp::StateDict sd = ckpt_test::make_state(ctx.mesh(), kShard0);
+    ckpt::CheckpointWriter writer(root.path(), 7, ctx.world_group());
+    writer.record(ckpt::save_sharded(sd, writer.subdir("model"), ctx.rank()));
+    writer.commit();
+  });
+  if (fsdp::testing::is_rank_process()) return;
+  auto r = run_python(kHelper, {"list", root / "step-7"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  // Rank 2 holds no row of layers.0.idx (2 rows), so writes no piece of it.
+  EXPECT_EQ(r.output, R"(model/
+  embed.weight  F32  [10, 3]
+    shard-00001-model-00001-of-00001.safetensors  rows [0, 4)
+    shard-00002-model-00001-of-00001.safetensors  rows [4, 8)
+    shard-00003-model-00001-of-00001.safetensors  rows [8, 10)
+  layers.0.bias  BF16  [7]
+    shard-00001-model-00001-of-00001.safetensors  rows [0, 3)
+    shard-00002-model-00001-of-00001.safetensors  rows [3, 6)
+    shard-00003-model-00001-of-00001.safetensors  rows [6, 7)
+  layers.0.idx  I64  [2, 5]
+    shard-00001-model-00001-of-00001.safetensors  rows [0, 1)
+    shard-00002-model-00001-of-00001.safetensors  rows [1, 2)
+  layers.1.weight  F16  [9, 2, 2]
+    shard-00001-model-00001-of-00001.safetensors  rows [0, 3)
+    shard-00002-model-00001-of-00001.safetensors  rows [3, 6)
+    shard-00003-model-00001-of-00001.safetensors  rows [6, 9)
+  norm.weight  F32  [5]
+    shard-00001-model-00001-of-00001.safetensors  rows [0, 5)
+  scale  F64  []
+    shard-00001-model-00001-of-00001.safetensors  whole
+  empty  F32  [0, 4]
+    shard-00001-model-00001-of-00001.safetensors  rows [0, 0)
+)");
+  r = run_interop("read_with_skeleton", root / "step-7/model");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("read_with_skeleton: 7 tensors of the listed shapes and dtypes equal the formula"),
+            std::string::npos)
+      << r.output;
+  r = run_python(kHelper, {"list", root.path()});
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("holds no *.safetensors file, nor subdirectories with some"), std::string::npos) << r.output;
+}
+
+// How many ```python blocks README.md and docs/*.md hold, counted here
+// apart from doc_snippets.py's own extraction.
+int python_blocks_in_docs() {
+  int n = 0;
+  std::vector<std::string> files = {kSourceDir + "/README.md"};
+  for (const char* doc :
+       {"benchmarks", "build", "checkpoints", "debugging", "fsdp2", "gpu", "porting", "testing", "trainer"}) {
+    files.push_back(kSourceDir + "/docs/" + doc + ".md");
+  }
+  for (const auto& f : files) {
+    std::istringstream in(ckpt_test::read_bytes(f));
+    for (std::string line; std::getline(in, line);) n += line == "```python" ? 1 : 0;
+  }
+  return n;
+}
+
+// Every ```python block of the docs runs (doc_snippets.py) in a directory
+// that holds what they open: ROOT/step-100, a training state whose "model"
+// is the state of doc_snippets.py's small_model() (Linear(3, 4), ReLU,
+// Linear(4, 2)) saved at 2 ranks, with "step" and "cpu_rng"; and hf/, an
+// HF export of the same tensors in several files.
+TEST(CheckpointPython, EveryPythonBlockOfTheDocsRuns) {
+  SKIP_WITHOUT_PYTHON();
+  ckpt_test::SharedDir work;
+  if (!fsdp::testing::is_rank_process()) ASSERT_EQ(::mkdir((work / "hf").c_str(), 0755), 0);
+  fsdp::testing::run_distributed(2, [&](RankContext& ctx) {
+    const std::vector<std::pair<std::string, std::vector<int64_t>>> params = {
+        {"0.weight", {4, 3}}, {"0.bias", {4}}, {"2.weight", {2, 4}}, {"2.bias", {2}}};
+    fsdp::StateDict sd;
+    int64_t seed = 0;
+    for (const auto& [key, shape] : params) {
+      const at::Tensor full = ckpt_test::formula(shape, at::kFloat, ++seed);
+      auto dt = fsdp::distribute_tensor(full, ctx.mesh(), kShard0);
+      sd.insert(key, fsdp::DTensor::from_local(dt.to_local().clone(), ctx.mesh(), kShard0, shape));
+    }
+    FixedState model_state(sd, {});
+    int64_t step = 100;
+    ckpt::TrainingState state;
+    state.add("model", model_state).add_int64("step", step);
+    state.add_rng("cpu_rng", at::detail::getDefaultCPUGenerator());
+    ckpt::save_training_state(work / "ROOT", 100, state, ctx.world_group());
+    ckpt::ExportOptions options;
+    options.max_shard_bytes = 40;
+    ckpt::export_hf(sd, work / "hf", ctx.world_group(), options);
+  });
+  if (fsdp::testing::is_rank_process()) return;
+  const int blocks = python_blocks_in_docs();
+  ASSERT_GT(blocks, 0);
+  const auto r = run_python(kSourceDir + "/tests/checkpoint/doc_snippets.py", {kSourceDir, work.path()});
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("doc_snippets: " + std::to_string(blocks) + " python blocks ran"), std::string::npos)
       << r.output;
 }
 

@@ -161,4 +161,16 @@ inline std::string read_bytes(const std::string& path) {
   return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
 }
 
+// The whole message of the c10::Error `f` throws (without the backtrace),
+// for tests that pin an error's exact text; "<no error>" when it returns.
+template <typename F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "<no error>";
+}
+
 }  // namespace ckpt_test

@@ -12,6 +12,8 @@ Values come from `formula`, computed here independently of the C++ side
     python interop.py verify_manifest DIR # sizes and zlib.crc32 of a checkpoint's manifest
     python interop.py read_training_state DIR  # dcp.load reads model/ and optim/ of a
                                           # save_training_state checkpoint; its values and generator
+    python interop.py read_with_skeleton DIR  # dcp.load into fsdp2cpp_checkpoint.py's
+                                          # state_dict_skeleton(DIR)
 
 Exits non-zero with a message on any mismatch.
 """
@@ -64,6 +66,23 @@ def read_sharded(path):
     for key, shape, dtype, seed, _ in SPECS:
         check(key, sd[key], formula(shape, dtype, seed))
     print(f"read_sharded: {len(sd)} tensors equal the formula")
+
+
+def read_with_skeleton(path):
+    """dcp.load into checkpoint/python/fsdp2cpp_checkpoint.py's skeleton."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "checkpoint", "python"))
+    import fsdp2cpp_checkpoint
+
+    sd = fsdp2cpp_checkpoint.state_dict_skeleton(path)
+    if sorted(sd) != sorted(key for key, *_ in SPECS):
+        sys.exit(f"MISMATCH keys {sorted(sd)}")
+    dcp.load(sd, storage_reader=HuggingFaceStorageReader(path), no_dist=True)
+    for key, shape, dtype, seed, _ in SPECS:
+        check(key, sd[key], formula(shape, dtype, seed))
+    print(f"read_with_skeleton: {len(sd)} tensors of the listed shapes and dtypes equal the formula")
 
 
 def _read_rank(rank, world, init_file, path):
@@ -231,7 +250,7 @@ def read_training_state(path):
 if __name__ == "__main__":
     commands = {"read_sharded": read_sharded, "read_sharded_distributed": read_sharded_distributed,
                 "write_sharded": write_sharded, "read_hf": read_hf, "verify_manifest": verify_manifest,
-                "read_training_state": read_training_state}
+                "read_training_state": read_training_state, "read_with_skeleton": read_with_skeleton}
     if len(sys.argv) != 3 or sys.argv[1] not in commands:
         sys.exit(__doc__)
     commands[sys.argv[1]](sys.argv[2])

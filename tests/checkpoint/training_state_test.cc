@@ -330,6 +330,50 @@ TEST(TrainingStateErrors, MissingItemNamesItAndWhatTheCheckpointHolds) {
   });
 }
 
+// A Stateful whose tensors differ from the saved ones (a MoE model with an
+// expert more, or of another width): the errors name the option of
+// load_training_state that relaxes them (strict_tensors, not load_sharded's
+// strict), and a complete checkpoint is never said to miss a file.
+class CounterWithExpert : public Counter {
+ public:
+  ckpt::StatefulState state_dict() override {
+    ckpt::StatefulState s = Counter::state_dict();
+    s.tensors.insert("experts.1.weight", expert);
+    return s;
+  }
+  at::Tensor expert = at::full({2, 2}, 3.0);
+};
+
+TEST(TrainingStateErrors, TensorMismatchesNameStrictTensorsAndNoMissingFile) {
+  ckpt_test::SharedDir root;
+  save_small(root.path());
+  fsdp::testing::run_distributed(2, [&](RankContext& ctx) {
+    const std::string dir = root / "step-7";
+    {
+      CounterWithExpert counter;
+      ckpt::TrainingState state;
+      state.add("counter", counter);
+      EXPECT_EQ(ckpt_test::error_of([&] { ckpt::load_training_state(dir, state, ctx.world_group()); }),
+                "checkpoint: loading '" + dir +
+                    "/counter' (strict): missing keys (in the target, not saved): 'experts.1.weight'. Set "
+                    "TrainingStateLoadOptions::strict_tensors = false to load the keys both have.");
+      ckpt::TrainingStateLoadOptions lenient;
+      lenient.strict_tensors = false;
+      ckpt::load_training_state(dir, state, ctx.world_group(), lenient);
+      EXPECT_TRUE(counter.counts.equal(at::arange(5, at::kFloat)));
+      EXPECT_TRUE(counter.expert.equal(at::full({2, 2}, 3.0))) << "the unsaved tensor is left as it is";
+    }
+    {
+      Counter counter;
+      counter.counts = at::zeros({6});
+      ckpt::TrainingState state;
+      state.add("counter", counter);
+      EXPECT_EQ(ckpt_test::error_of([&] { ckpt::load_training_state(dir, state, ctx.world_group()); }),
+                "checkpoint: key 'counts' has the global shape [6] in the target but [5] in '" + dir + "/counter'");
+    }
+  });
+}
+
 TEST(TrainingStateErrors, WrongKindOrTypeNamesBothAndTheCallToUse) {
   ckpt_test::SharedDir root;
   save_small(root.path());

@@ -8,6 +8,10 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <memory>
+#include <string>
+#include <unordered_set>
+#include <vector>
 
 #include <torch/nn/utils/clip_grad.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -314,6 +318,163 @@ TEST(ClipGradErrors, BadArgumentsAreRefused) {
     EXPECT_EQ(get_total_norm(root).item<double>(), 0.0);
   });
 }
+
+// A mixture of experts whose experts shard_placement_fn puts on a mesh of
+// their own (fully_shard.h, "Per-parameter meshes"): a block then holds a
+// dense and an expert FSDPParamGroup, each sharded and reduced over its own
+// shard group. Dense gating (every expert on every row), so the unsharded
+// reference is exact. Expert rows of 5 are uneven at 2-4 ranks.
+struct ClipExpertImpl : torch::nn::Module {
+  ClipExpertImpl()
+      : fc1(register_module("fc1", torch::nn::Linear(6, 5))), fc2(register_module("fc2", torch::nn::Linear(5, 6))) {}
+  at::Tensor forward(const at::Tensor& x) { return fc2(at::tanh(fc1(x))); }
+  torch::nn::Linear fc1, fc2;
+};
+TORCH_MODULE(ClipExpert);
+
+struct ClipMoEBlockImpl : torch::nn::Module {
+  static constexpr int64_t kExperts = 2;
+  ClipMoEBlockImpl() : router(register_module("router", torch::nn::Linear(6, kExperts))) {
+    for (int64_t e = 0; e < kExperts; ++e) experts->push_back(ClipExpert());
+    register_module("experts", experts);
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    const at::Tensor gates = at::softmax(router(x), -1);
+    at::Tensor out = x;
+    for (int64_t e = 0; e < kExperts; ++e) {
+      out = out + gates.narrow(1, e, 1) * experts[e]->as<ClipExpertImpl>()->forward(x);
+    }
+    return out;
+  }
+  torch::nn::Linear router;
+  torch::nn::ModuleList experts;
+};
+FSDP2CPP_MODULE(ClipMoEBlock);
+
+// 7 -> 6 -> MoE block -> 3.
+struct ClipMoE : torch::nn::Module {
+  ClipMoE()
+      : embed(register_module("embed", torch::nn::Linear(7, 6))),
+        block(register_module("block", ClipMoEBlock())),
+        head(register_module("head", torch::nn::Linear(6, 3))) {}
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& y) {
+    return at::mse_loss(head(block(at::tanh(embed(x)))), y);
+  }
+  torch::nn::Linear embed;
+  ClipMoEBlock block;
+  torch::nn::Linear head;
+};
+
+bool is_expert_param(const std::string& fqn) { return fqn.find(".experts.") != std::string::npos; }
+
+// The dense and the expert mesh of one case, both over every rank.
+struct MoEMeshes {
+  std::string name;
+  DeviceMesh dense;
+  DeviceMesh expert;
+};
+
+// The layouts a MoE user meets, each with shard groups that differ between
+// the dense and the expert parameters on some rank: the experts' ranks in
+// reverse order (shard index != rank), the experts replicated (W x 1 HSDP:
+// a shard group of one rank), and at 4 ranks HSDP 2x2 for one kind and
+// plain FSDP over all 4 for the other. Every rank makes the meshes in the
+// same order (each makes process groups).
+std::vector<MoEMeshes> moe_meshes(testing::RankContext& ctx) {
+  const int w = ctx.world_size();
+  const c10::DeviceType device = ctx.mesh().device_type();
+  std::vector<MoEMeshes> cases;
+  cases.push_back({"experts over the ranks reversed", ctx.mesh(),
+                   DeviceMesh(ctx.world(), device, at::arange(w - 1, -1, -1, at::kLong), {"ep"})});
+  cases.push_back(
+      {"experts replicated (Wx1)", ctx.mesh(), init_device_mesh(ctx.world(), device, {w, 1}, {"replicate", "shard"})});
+  if (w == 4) {
+    const DeviceMesh hsdp = init_device_mesh(ctx.world(), device, {2, 2}, {"replicate", "shard"});
+    cases.push_back({"dense HSDP 2x2, experts over 4", hsdp, ctx.mesh()});
+    cases.push_back({"dense over 4, experts HSDP 2x2", ctx.mesh(), hsdp});
+  }
+  return cases;
+}
+
+// One step of the MoE with its experts on `meshes.expert`, clipped, against
+// torch::nn::utils::clip_grad_norm_ on the unsharded model: the norm, and
+// every gradient gathered over its own mesh.
+void expect_moe_clip_matches_reference(testing::RankContext& ctx, const MoEMeshes& meshes, double norm_type,
+                                       bool tensor_api) {
+  SCOPED_TRACE(::testing::Message() << meshes.name << ", norm_type " << norm_type);
+  torch::manual_seed(0);
+  auto model = std::make_shared<ClipMoE>();
+  torch::manual_seed(0);
+  auto reference = std::make_shared<ClipMoE>();
+  auto experts = std::make_shared<std::unordered_set<const c10::TensorImpl*>>();
+  for (const auto& item : model->named_parameters()) {
+    if (is_expert_param(item.key())) experts->insert(item.value().unsafeGetTensorImpl());
+  }
+  FullyShardOptions o;
+  o.mesh = meshes.dense;
+  o.shard_placement_fn = [experts, expert = meshes.expert](const at::Tensor& p) -> ShardPlacementResult {
+    if (experts->count(p.unsafeGetTensorImpl()) != 0) return {Placement::shard(0), expert};
+    return std::nullopt;
+  };
+  fully_shard(model->block.ptr(), o);
+  FSDPModule root = fully_shard(model, o);
+
+  const Batch batch = make_batch(ModelKind::kMlp, 0, 12);
+  reference->forward(batch.x, batch.y).backward();
+  const Batch local = batch.slice(ctx.rank(), ctx.world_size());
+  call_module(*model, local.x, local.y).backward();
+
+  const std::vector<at::Tensor> ref_grads = grads_of(*reference);
+  const double ref_norm = torch::nn::utils::clip_grad_norm_(reference->parameters(), kInf, norm_type);
+  restore_grads(*reference, ref_grads);
+  const double max_norm = ref_norm / 3;
+  torch::nn::utils::clip_grad_norm_(reference->parameters(), max_norm, norm_type);
+
+  double total = 0;
+  if (tensor_api) {
+    const at::Tensor norm = get_total_norm(root, norm_type);
+    clip_grads_with_norm_(root, max_norm, norm);
+    total = norm.item<double>();
+  } else {
+    total = clip_grad_norm_(root, max_norm, norm_type);
+  }
+  EXPECT_NEAR(total, ref_norm, 1e-5 * ref_norm);
+  for (const auto& item : reference->named_parameters()) {
+    const at::Tensor sharded = model->named_parameters()[item.key()];  // a copy: the dict is a temporary
+    const DeviceMesh& mesh = is_expert_param(item.key()) ? meshes.expert : meshes.dense;
+    expect_close(full_param(sharded.grad(), item.value().sizes().vec(), mesh), item.value().grad(), item.key());
+  }
+}
+
+class ClipGradExpertMesh : public ::testing::TestWithParam<int> {};
+
+TEST_P(ClipGradExpertMesh, EachGroupIsReducedOverItsOwnShardGroupAndMatchesTheReference) {
+  testing::run_distributed(GetParam(), [](testing::RankContext& ctx) {
+    for (const MoEMeshes& meshes : moe_meshes(ctx)) {
+      expect_moe_clip_matches_reference(ctx, meshes, 2.0, /*tensor_api=*/true);
+      expect_moe_clip_matches_reference(ctx, meshes, kInf, /*tensor_api=*/false);
+      expect_moe_clip_matches_reference(ctx, meshes, 1.0, /*tensor_api=*/false);
+    }
+  });
+}
+
+// The test's own mesh is HSDP 2x2 (the root's): experts over all 4 ranks.
+TEST(ClipGradExpertMeshHsdp, TwoByTwoRootWithExpertsOverFourRanks) {
+  testing::DistributedTestOptions options;
+  options.world_size = 4;
+  options.mesh_shape = {2, 2};
+  options.mesh_dim_names = {"replicate", "shard"};
+  testing::run_distributed(options, [](testing::RankContext& ctx) {
+    const DeviceMesh flat = init_device_mesh(ctx.world(), ctx.mesh().device_type(), {4}, {"ep"});
+    const MoEMeshes meshes{"root HSDP 2x2, experts over 4", ctx.mesh(), flat};
+    expect_moe_clip_matches_reference(ctx, meshes, 2.0, /*tensor_api=*/false);
+    expect_moe_clip_matches_reference(ctx, meshes, kInf, /*tensor_api=*/true);
+    expect_moe_clip_matches_reference(ctx, meshes, 3.0, /*tensor_api=*/true);
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, ClipGradExpertMesh, ::testing::Values(2, 3, 4),
+                         [](const auto& info) { return "world" + std::to_string(info.param); });
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, ClipGrad, ::testing::Values(1, 2, 3, 4),
                          [](const auto& info) { return "world" + std::to_string(info.param); });

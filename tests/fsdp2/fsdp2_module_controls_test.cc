@@ -177,6 +177,48 @@ TEST_P(ModuleControls, AParameterNoRankUsesGetsZerosOnlyWithUnusedParams) {
   });
 }
 
+// What fully_shard.h and docs/fsdp2.md say of set_reduce_scatter_unused_params
+// for a MoE: the zeros an unused expert (branch_b) gets are a gradient to
+// AdamW, whose weight decay and moments from an earlier step (when the
+// expert was used) move it; resetting its gradient before the step, as a run
+// without the option has none, leaves it as it was.
+TEST_P(ModuleControls, AnUnusedExpertMovesUnderAdamWUnlessItsGradientIsReset) {
+  testing::run_distributed(GetParam(), [](testing::RankContext& ctx) {
+    for (const bool reset : {false, true}) {
+      SCOPED_TRACE(reset ? "gradient reset before the step" : "zeros stepped on");
+      auto model = seeded_net();
+      const FullyShardOptions opts = mesh_options(ctx);
+      for (auto& b : model->blocks) fully_shard(b, opts);
+      fully_shard(model->aux, opts);
+      FSDPModule root = fully_shard(model, opts);
+      root.set_reduce_scatter_unused_params(true);
+      auto optim = make_optimizer(Optim::kAdamW, model->parameters());
+      for (const char branch : {'b', 'a'}) {  // the expert is used, then not
+        model->branch = branch;
+        const Batch mine = batch_for(branch == 'b' ? 0 : 1).slice(ctx.rank(), ctx.world_size());
+        call_module(*model, mine.x, mine.y).backward();
+        if (branch == 'a' && reset) {
+          for (at::Tensor& p : model->branch_b->parameters()) p.mutable_grad().reset();
+        }
+        std::vector<at::Tensor> before;
+        for (const at::Tensor& p : model->branch_b->parameters()) before.push_back(p.detach().clone());
+        optim->step();
+        optim->zero_grad();
+        if (branch == 'b') continue;
+        double moved = 0;
+        const auto params = model->branch_b->parameters();
+        for (size_t i = 0; i < params.size(); ++i) moved += (params[i].detach() - before[i]).abs().sum().item<double>();
+        moved = mean_over_ranks(ctx, moved);
+        if (reset) {
+          EXPECT_EQ(moved, 0.0) << "an expert without a gradient is not stepped on";
+        } else {
+          EXPECT_GT(moved, 0.0) << "zeros are a gradient to AdamW";
+        }
+      }
+    }
+  });
+}
+
 // With K inputs allowed in flight, the reduce-scatter of the group at
 // position j in backward is completed when the (j+K+1)-th is about to be
 // issued, so its all-reduce hook (which runs at completion) sees j+K issued;

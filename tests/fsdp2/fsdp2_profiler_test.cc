@@ -1,15 +1,20 @@
 // fsdp::Profiler (fsdp2/profiler.h): which steps each trace holds and which
 // files it writes under a schedule (torch.profiler.schedule's meaning); the
 // FSDP phases of a sharded model in each rank's trace at 1-3 ranks, the root's
-// group named; RAII (a partial cycle written at destruction, nothing when an
+// group named, a module's groups on different meshes told apart; no Kineto
+// error on a host without a GPU; RAII (a partial cycle written at destruction, nothing when an
 // exception unwinds); and each misuse, named.
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
+#include <iterator>
 #include <map>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -254,6 +259,110 @@ TEST_P(ProfilerOfAShardedModel, EachRankWritesItsPhasesWithTheRootNamed) {
     for (const auto& [name, count] : expected) EXPECT_EQ(events[name], count) << name << " in " << path;
     EXPECT_EQ(events.count("FSDP::all_gather"), 0u) << "an unnamed all-gather in " << path;
   });
+}
+
+// A module with two FSDPParamGroups (its "experts" on a mesh of their own,
+// the ranks reversed): each group's phases carry its index and shard mesh,
+// so the trace tells them apart; single-group modules keep plain labels.
+struct TwoMeshBlockImpl : torch::nn::Module {
+  TwoMeshBlockImpl()
+      : dense(register_module("dense", torch::nn::Linear(7, 5))),
+        experts(register_module("experts", torch::nn::Linear(5, 3))) {}
+  at::Tensor forward(const at::Tensor& x) { return experts(at::tanh(dense(x))); }
+  torch::nn::Linear dense, experts;
+};
+FSDP2CPP_MODULE(TwoMeshBlock);
+
+struct TwoMeshModel : torch::nn::Module {
+  TwoMeshModel()
+      : block(register_module("block", TwoMeshBlock())), head(register_module("head", torch::nn::Linear(3, 3))) {}
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& y) { return at::mse_loss(head(block(x)), y); }
+  TwoMeshBlock block;
+  torch::nn::Linear head;
+};
+
+TEST(ProfilerGroupLabels, GroupsOfOneModuleAreNamedByIndexAndMesh) {
+  testing::run_distributed(2, [](testing::RankContext& ctx) {
+    const TempDir dir;
+    torch::manual_seed(0);
+    auto model = std::make_shared<TwoMeshModel>();
+    const DeviceMesh expert(ctx.world(), ctx.mesh().device_type(), at::arange(1, -1, -1, at::kLong), {"ep"});
+    FullyShardOptions fs = mesh_options(ctx);
+    const c10::TensorImpl* expert_weight = model->block->experts->weight.unsafeGetTensorImpl();
+    const c10::TensorImpl* expert_bias = model->block->experts->bias.unsafeGetTensorImpl();
+    fs.shard_placement_fn = [=](const at::Tensor& p) -> ShardPlacementResult {
+      if (p.unsafeGetTensorImpl() == expert_weight || p.unsafeGetTensorImpl() == expert_bias) {
+        return {Placement::shard(0), expert};
+      }
+      return std::nullopt;
+    };
+    fully_shard(model->block, fs);
+    fully_shard(model, mesh_options(ctx));
+
+    ProfilerOptions o;
+    o.trace_dir = dir.path();
+    o.rank = ctx.rank();
+    o.schedule.wait = 0;
+    o.schedule.warmup = 0;
+    o.schedule.active = 1;
+    o.record_cuda = false;
+    {
+      Profiler profiler(o);
+      const Batch local = make_batch(ModelKind::kMlp, 0, 12).slice(ctx.rank(), ctx.world_size());
+      call_module(*model, local.x, local.y).backward();
+      profiler.step();
+    }
+    const std::string dense_mesh = ctx.mesh().group(0)->name();
+    const std::string expert_mesh = expert.group(0)->name();
+    ASSERT_NE(dense_mesh, expert_mesh);
+    std::map<std::string, int> events = event_counts(dir.path() + "/trace_rank" + std::to_string(ctx.rank()) + ".json");
+    const std::string group0 = "block, group 0, mesh " + dense_mesh;
+    const std::string group1 = "block, group 1, mesh " + expert_mesh;
+    for (const std::string phase : {"all_gather", "reduce_scatter", "pre_forward", "post_backward"}) {
+      EXPECT_GE(events["FSDP::" + phase + " (" + group0 + ")"], 1) << phase;
+      EXPECT_GE(events["FSDP::" + phase + " (" + group1 + ")"], 1) << phase;
+      EXPECT_EQ(events.count("FSDP::" + phase + " (block)"), 0u) << phase << ": a label that names no group";
+      EXPECT_GE(events["FSDP::" + phase + " (root)"], 1) << phase << ": the root has one group, a plain label";
+    }
+  });
+}
+
+// Kineto asks CUDA for the device count whenever it writes a trace; on a
+// host without a GPU driver (the CUDA wheel on a CPU machine, as here) that
+// printed "gpuGetDeviceCount failed with code 35" on every rank. A trace of
+// CPU activity only (record_cuda false, or unset without a device) prints
+// nothing from Kineto. Each case runs in fresh rank processes: Kineto asks
+// once per process. (On a host with a GPU there is nothing to print.)
+TEST(ProfilerOnACpuHost, WritesATraceWithoutKinetosDeviceErrors) {
+  for (const std::optional<bool> record_cuda : {std::optional<bool>(false), std::optional<bool>()}) {
+    testing::run_distributed(1, [&](testing::RankContext&) {
+      const TempDir dir;
+      const std::string log = dir.path() + "/stderr.txt";
+      std::fflush(stderr);
+      const int saved = ::dup(STDERR_FILENO);
+      const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      ASSERT_GE(fd, 0);
+      ::dup2(fd, STDERR_FILENO);
+      ::close(fd);
+      {
+        ProfilerOptions o = options_in(dir, 0, 0, 1);
+        o.trace_dir = dir.path() + "/traces";
+        o.record_cuda = record_cuda;
+        Profiler profiler(o);
+        some_work();
+        profiler.step();
+        EXPECT_EQ(profiler.traces_written().size(), 1u);
+      }
+      std::cerr.flush();
+      std::fflush(stderr);
+      ::dup2(saved, STDERR_FILENO);
+      ::close(saved);
+      std::ifstream in(log);
+      const std::string printed((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      EXPECT_EQ(printed.find("gpuGetDeviceCount"), std::string::npos) << printed;
+      EXPECT_EQ(printed.find("ERROR:"), std::string::npos) << printed;
+    });
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, ProfilerOfAShardedModel, ::testing::Values(1, 2, 3),

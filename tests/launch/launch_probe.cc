@@ -6,6 +6,7 @@
 //   launch_probe exit RANK CODE        rank RANK exits with CODE, the others wait
 //   launch_probe signal RANK SIGNAL    rank RANK kills itself with SIGNAL, the others wait
 //   launch_probe self [--nproc N] ...  fsdp::launch::maybe_launch_local, then print
+//   launch_probe omp [--nproc N]       maybe_launch_local, then one line OMP_NUM_THREADS=<value>
 //   launch_probe attempt RANK CODE K   every rank prints its restart attempt, MASTER_PORT and
 //                                      collective timeout; on attempts 0..K-1 rank RANK then
 //                                      exits with CODE (kills itself with signal -CODE when
@@ -91,6 +92,11 @@ int main(int argc, char** argv) {
     std::printf("args:%s\n", args.c_str());
     print_rank_line();
     std::printf("\n");
+    return 0;
+  }
+  if (mode == "omp") {
+    if (auto rc = fsdp::launch::maybe_launch_local(argc, argv)) return *rc;
+    std::printf("OMP_NUM_THREADS=%s\n", env(fsdp::launch::kOmpNumThreadsEnv).c_str());
     return 0;
   }
   std::fprintf(stderr, "launch_probe: unknown mode '%s'\n", mode.c_str());

@@ -158,6 +158,70 @@ TEST(Fsdprun, HelpPrintsUsage) {
   EXPECT_NE(r.out.find("--mesh RxS"), std::string::npos) << describe(r);
 }
 
+// torchrun's rule for OMP_NUM_THREADS: 1 for several local ranks when the
+// user left it unset, said once; a user's value kept; one rank untouched.
+constexpr char kOmpMessage[] =
+    "OMP_NUM_THREADS is not set; setting it to 1 for each of the 2 ranks so that they do not overload this machine "
+    "(set OMP_NUM_THREADS yourself to tune the threads per rank)";
+
+size_t count_of(const std::string& text, const std::string& what) {
+  size_t n = 0;
+  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + what.size())) ++n;
+  return n;
+}
+
+void expect_omp_lines(const RunResult& r, int n, const std::string& value) {
+  for (int rank = 0; rank < n; ++rank) {
+    EXPECT_EQ(lines_of_rank(r.out, rank), std::vector<std::string>{"OMP_NUM_THREADS=" + value})
+        << "rank " << rank << "\n"
+        << describe(r);
+  }
+}
+
+TEST(OmpNumThreads, FsdprunSetsOneForSeveralRanksWhenUnsetAndSaysSoOnce) {
+  ::unsetenv("OMP_NUM_THREADS");
+  const RunResult r = run({kFsdprun, "--nproc", "2", "--", kProbe, "omp"});
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  expect_omp_lines(r, 2, "1");
+  EXPECT_EQ(count_of(r.err, std::string("fsdprun: ") + kOmpMessage), 1u) << describe(r);
+
+  // Once per job, not per attempt: rank 1 fails the first attempt.
+  const RunResult restarted =
+      run({kFsdprun, "--nproc", "2", "--max-restarts", "1", "--", kProbe, "attempt", "1", "1", "1"});
+  ASSERT_EQ(restarted.exit_code, 0) << describe(restarted);
+  EXPECT_EQ(count_of(restarted.err, "restarting the group"), 1u) << describe(restarted);
+  EXPECT_EQ(count_of(restarted.err, kOmpMessage), 1u) << describe(restarted);
+}
+
+TEST(OmpNumThreads, FsdprunKeepsTheUsersValue) {
+  ::unsetenv("OMP_NUM_THREADS");
+  const RunResult r = run({kFsdprun, "--nproc", "2", "--", kProbe, "omp"}, {{"OMP_NUM_THREADS", "3"}});
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  expect_omp_lines(r, 2, "3");
+  EXPECT_EQ(r.err.find("OMP_NUM_THREADS"), std::string::npos) << describe(r);
+}
+
+TEST(OmpNumThreads, FsdprunLeavesASingleRankAlone) {
+  ::unsetenv("OMP_NUM_THREADS");
+  const RunResult r = run({kFsdprun, "--nproc", "1", "--", kProbe, "omp"});
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  expect_omp_lines(r, 1, "<unset>");
+  EXPECT_EQ(r.err.find("OMP_NUM_THREADS"), std::string::npos) << describe(r);
+}
+
+TEST(OmpNumThreads, NprocFlagSetsOneWhenUnsetAndKeepsTheUsersValue) {
+  ::unsetenv("OMP_NUM_THREADS");
+  const RunResult unset = run({kProbe, "omp", "--nproc", "2"});
+  ASSERT_EQ(unset.exit_code, 0) << describe(unset);
+  expect_omp_lines(unset, 2, "1");
+  EXPECT_EQ(count_of(unset.err, std::string("launch_probe: ") + kOmpMessage), 1u) << describe(unset);
+
+  const RunResult set = run({kProbe, "omp", "--nproc", "2"}, {{"OMP_NUM_THREADS", "5"}});
+  ASSERT_EQ(set.exit_code, 0) << describe(set);
+  expect_omp_lines(set, 2, "5");
+  EXPECT_EQ(set.err.find("OMP_NUM_THREADS"), std::string::npos) << describe(set);
+}
+
 // A rank that ignores SIGTERM is killed after the grace period.
 TEST(LaunchLocalRanks, RankThatIgnoresSigtermIsKilledAfterTheGracePeriod) {
   const RunResult r = run({"/bin/sh", "-c",

@@ -8,7 +8,8 @@
 //                                  FSDP2CPP_COLLECTIVE_TIMEOUT_S=120 for every rank
 //
 // Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR
-// and MASTER_PORT (torchrun's variables; World::from_env() reads them), its
+// and MASTER_PORT (torchrun's variables; World::from_env() reads them), and,
+// with N > 1 and OMP_NUM_THREADS unset, OMP_NUM_THREADS=1 (said once), its
 // lines are prefixed with "[rankN] ", and when a rank fails the others are
 // stopped and fsdprun exits with that rank's status (128 + signal when it was
 // killed by one), or, with --max-restarts N, the whole group starts again
@@ -37,6 +38,7 @@ constexpr char kUsage[] =
     "  --collective-timeout SECONDS  the ranks' default collective timeout (> 0), passed as\n"
     "                                FSDP2CPP_COLLECTIVE_TIMEOUT_S=SECONDS\n"
     "  --no-prefix                   do not prefix the ranks' output lines with [rankN]\n"
+    "With N > 1 and OMP_NUM_THREADS unset, every rank gets OMP_NUM_THREADS=1 (as torchrun sets it).\n"
     "A failing rank stops the others; when no restart is left, fsdprun exits with its status\n"
     "(128 + signal if killed). SIGINT, SIGTERM and SIGHUP sent to fsdprun are passed on to the\n"
     "ranks and never restart them.\n";

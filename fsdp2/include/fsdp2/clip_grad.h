@@ -26,10 +26,19 @@
 // job, see ignored_params), and for the infinity norm its largest element
 // over the ranks is taken.
 //
+// Modules or parameters sharded over other meshes than the root's (a
+// module's own FullyShardOptions::mesh, or per-parameter meshes from
+// shard_placement_fn, e.g. experts on an expert mesh) are counted as
+// torchtitan counts them: the parameters of each shard group (the last mesh
+// dim, so replicas count once) have their p-th powers summed (the largest
+// element taken) over that group, and the groups' shares are added up (the
+// largest taken) on every rank.
+//
 // Cost: the local norms use ATen's foreach kernels (one _foreach_norm per
 // device and dtype, in fp32, fp64 for double gradients), one all-reduce of
-// one element for the whole model (SUM of p-th powers, MAX for the infinity
-// norm), and one _foreach_mul_ per device and dtype by a clip coefficient
+// one element per distinct shard group, one for the whole model when every
+// module is sharded over the root's mesh (SUM of p-th powers, MAX for the
+// infinity norm), and one _foreach_mul_ per device and dtype by a clip coefficient
 // computed on the device, min(max_norm / (total + 1e-6), 1), as
 // torch.nn.utils.clip_grad_norm_(..., foreach=True) does.
 #pragma once
@@ -45,8 +54,9 @@ namespace fsdp {
 // sharded parameters, in float32 (float64 when a gradient is double).
 // Gradients are not modified.
 //
-// Collective over the mesh's shard group: every rank must call it, in the
-// same order relative to the group's other collectives.
+// Collective over the shard group of every mesh the model is sharded over
+// (the root's first, the others in module order): every rank must call it,
+// in the same order relative to those groups' other collectives.
 // Streams: on NCCL the norm is computed on the current stream and the
 // all-reduce is ordered after it; the current stream waits for the
 // all-reduce, the host does not. On Gloo (CPU) the host waits for the
@@ -56,8 +66,7 @@ namespace fsdp {
 // REQUIRES: `norm_type` > 0 (std::numeric_limits<double>::infinity() for the
 // largest absolute element); called after the backward that reduced the
 // gradients, so that fully_shard's parameters are sharded and hold sharded
-// gradients. Throws c10::Error naming the parameter or module otherwise, or
-// when a submodule is sharded over another shard group than `root`.
+// gradients. Throws c10::Error naming the parameter otherwise.
 at::Tensor get_total_norm(const FSDPModule& root, double norm_type = 2.0, bool error_if_nonfinite = false);
 
 // Scales the gradients of `root`'s module by min(max_norm / (total_norm +

@@ -392,6 +392,12 @@ class FSDPModule {
   // of the reduction, and ranks whose control flow differs issue
   // reduce-scatters of different sizes, which the collectives report as a
   // mismatch naming both. Set it on every rank.
+  // The optimizer sees those zeros as gradients, unlike a run where the
+  // parameters get none (torch::optim skips an undefined .grad): AdamW's
+  // weight decay shrinks an expert no token reached, and its moments from
+  // earlier steps go on moving it. Where that matters, reset the gradients
+  // of the experts that got no token in the global batch (a count the ranks
+  // all-reduce) before the step, p.mutable_grad().reset() on every rank.
   void set_reduce_scatter_unused_params(bool reduce_scatter_unused_params, bool recurse = true);
   // How many reduce-scatter inputs (the buffer each group's unreduced
   // gradients are copied into) may be in flight at once in backward (FSDP2

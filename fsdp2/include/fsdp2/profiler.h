@@ -67,7 +67,10 @@ struct ProfilerOptions {
   // a loop that counts steps from 1 sets 1 so that the labels match its own.
   int64_t first_step_number = 0;
   // Record CUDA activity (kernels, memory copies, NCCL). Unset: whenever
-  // LibTorch has CUDA and a device is present.
+  // LibTorch has CUDA and a device is present. When false, Kineto's own
+  // error about a device it cannot query ("gpuGetDeviceCount failed", the
+  // CUDA wheel on a host without a GPU) is kept off stderr while a trace is
+  // made, unless KINETO_LOG_LEVEL is set.
   std::optional<bool> record_cuda;
   // torch.profiler's record_shapes, profile_memory and with_stack.
   bool record_shapes = false;

@@ -19,7 +19,9 @@
 //
 // Every rank gets torchrun's environment: RANK, WORLD_SIZE, LOCAL_RANK,
 // LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1 and MASTER_PORT=<a free port>, so
-// World::from_env() (collectives/world.h) makes the process group. Lines the
+// World::from_env() (collectives/world.h) makes the process group, and, with
+// several ranks, OMP_NUM_THREADS=1 when the user left it unset (saying so
+// once, see kOmpNumThreadsEnv). Lines the
 // ranks print come out prefixed with the rank ("[rank1] ..."), each line
 // whole. When a rank fails, the others get SIGTERM (SIGKILL after a grace
 // period) and the launcher returns the failed rank's exit status (128 +
@@ -66,6 +68,13 @@ inline constexpr const char kCollectiveTimeoutEnv[] = "FSDP2CPP_COLLECTIVE_TIMEO
 // --max-restarts.
 inline constexpr const char kRestartCountEnv[] = "TORCHELASTIC_RESTART_COUNT";
 inline constexpr const char kMaxRestartsEnv[] = "TORCHELASTIC_MAX_RESTARTS";
+// OpenMP's thread count. With more than one rank and the variable unset in
+// the launcher's environment (and not in LaunchOptions::extra_env), every
+// rank gets OMP_NUM_THREADS=1 and the launcher says so once on stderr, as
+// torchrun does: N ranks with one intra-op thread per core each would
+// overload the machine N times over. A value the user set is passed on as it
+// is; a single rank keeps OpenMP's default.
+inline constexpr const char kOmpNumThreadsEnv[] = "OMP_NUM_THREADS";
 
 struct LaunchOptions {
   // Ranks to start, >= 1.
