@@ -203,9 +203,16 @@ DivergenceOptions DivergenceOptions::from_env() {
 }
 
 std::string find_divergence(const std::vector<std::optional<FlightLog>>& logs, bool count_ranks_behind) {
-  for (const auto& c : communicators_by_interest(logs)) {
-    std::string text = diverged_on(c.id, c.global_ranks, logs, count_ranks_behind);
-    if (!text.empty()) return text;
+  // Ranks that issued different collectives are the cause wherever they are;
+  // ranks left behind on another communicator (one waits in the next
+  // collective while its peer failed in this one) are the consequence.
+  const std::vector<RecordedCommunicator> communicators = communicators_by_interest(logs);
+  for (const bool behind : {false, true}) {
+    if (behind && !count_ranks_behind) break;
+    for (const auto& c : communicators) {
+      std::string text = diverged_on(c.id, c.global_ranks, logs, behind);
+      if (!text.empty()) return text;
+    }
   }
   return "";
 }

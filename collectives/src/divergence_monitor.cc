@@ -3,6 +3,9 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <atomic>
+#include <exception>
+#include <mutex>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -29,6 +32,40 @@ constexpr std::chrono::milliseconds kPollInterval{200};
 
 std::string log_key(int rank) { return c10::str("fsdp2cpp/divergence/log/", rank); }
 
+// [Note: an engine that aborts the process] Gloo checks a received message
+// against the buffer posted for it on its own I/O thread, and a mismatch
+// (ranks that reduce-scatter different sizes: "op.preamble.length <=
+// op.nbytes") escapes that thread, so std::terminate ends the process before
+// any wait can see an error. The terminate handler is the one place left
+// where the ranks' flight logs can still be compared: it asks the live
+// monitor to gather them and print the diagnosis (the other ranks then stop
+// with it too), and then hands over to the handler it replaced. The monitor
+// is process-wide state only because std::terminate's handler is.
+std::atomic<DivergenceMonitor*> g_terminate_monitor{nullptr};
+std::terminate_handler g_previous_terminate = nullptr;
+
+[[noreturn]] void diagnose_then_terminate() {
+  if (DivergenceMonitor* monitor = g_terminate_monitor.exchange(nullptr)) {
+    std::string what = "an exception nothing caught";
+    if (const std::exception_ptr error = std::current_exception()) {
+      try {
+        std::rethrow_exception(error);
+      } catch (const std::exception& e) {
+        what = e.what();
+      } catch (...) {
+      }
+    }
+    monitor->diagnose_abort(what);
+  }
+  if (g_previous_terminate != nullptr) g_previous_terminate();
+  std::abort();
+}
+
+void install_terminate_handler_once() {
+  static std::once_flag once;
+  std::call_once(once, [] { g_previous_terminate = std::set_terminate(&diagnose_then_terminate); });
+}
+
 std::vector<uint8_t> as_bytes(const std::string& text) { return std::vector<uint8_t>(text.begin(), text.end()); }
 
 std::string as_text(const std::vector<uint8_t>& bytes) { return std::string(bytes.begin(), bytes.end()); }
@@ -42,10 +79,16 @@ DivergenceMonitor::DivergenceMonitor(const c10::intrusive_ptr<c10d::Store>& stor
       options_(std::move(options)),
       recorder_(rank, options_.recorder_capacity),
       store_(store) {
-  if (options_.timeout.count() > 0 && world_size_ > 1) watchdog_ = std::thread([this] { watch(); });
+  if (options_.timeout.count() > 0 && world_size_ > 1) {
+    watchdog_ = std::thread([this] { watch(); });
+    install_terminate_handler_once();
+    g_terminate_monitor.store(this);
+  }
 }
 
 DivergenceMonitor::~DivergenceMonitor() {
+  DivergenceMonitor* self = this;
+  g_terminate_monitor.compare_exchange_strong(self, nullptr);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stop_ = true;
@@ -248,6 +291,21 @@ std::optional<std::string> DivergenceMonitor::diagnose_failure(double waited_s) 
     return std::nullopt;
   }
   return settle(diagnose_divergence(logs, rank_, waited_s));
+}
+
+void DivergenceMonitor::diagnose_abort(const std::string& what) {
+  try {
+    const double waited_s = 0;
+    if (auto diagnosis = diagnose_failure(waited_s)) {
+      std::fprintf(stderr,
+                   "fsdp2cpp: rank %d: the collective engine ends this process (%s); the ranks' flight recorders "
+                   "say: %s\n",
+                   rank_, what.c_str(), diagnosis->c_str());
+      std::fflush(stderr);
+    }
+  } catch (...) {
+    // Terminating already: the engine's own message follows.
+  }
 }
 
 std::vector<std::optional<FlightLog>> DivergenceMonitor::gather_logs_or_own() {

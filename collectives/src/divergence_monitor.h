@@ -55,6 +55,11 @@ class DivergenceMonitor {
   // collectives (not ranks that issued fewer: an engine timeout), settles and returns that diagnosis as diagnose() would;
   // otherwise nullopt, and nothing changes (the engine's error stands).
   std::optional<std::string> diagnose_failure(double waited_s);
+  // Called from std::terminate when an exception escaped a thread (Gloo's
+  // I/O thread on mismatched sizes, [Note: an engine that aborts the
+  // process]): diagnose_failure(), printed on stderr when it found ranks
+  // that issued different collectives. Never throws.
+  void diagnose_abort(const std::string& what);
 
   // The diagnosis this process made or received, or nullopt: collectives
   // issued after one refuse to run, since the ranks no longer agree.
