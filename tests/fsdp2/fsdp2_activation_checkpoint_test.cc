@@ -652,6 +652,7 @@ TEST(ActivationCheckpointHsdp, TwoByTwoMeshTrainsLikeTheReference) {
   testing::DistributedTestOptions options;
   options.world_size = 4;
   options.mesh_shape = {2, 2};
+  options.mesh_dim_names = {"replicate", "shard"};
   testing::run_distributed(options, [](testing::RankContext& ctx) {
     expect_checkpointed_training_matches(ctx, {.name = "HSDP 2x2"}, Where::kBlocks);
     expect_checkpointed_training_matches(ctx, {.name = "HSDP 2x2, MLP", .kind = ModelKind::kMlp}, Where::kRoot);
