@@ -193,7 +193,7 @@ void selective_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
   if (f->ops->count(schema.name()) == 0) return run();
   if (f->replay) {
     TORCH_CHECK(f->cursor < f->saved->size() && (*f->saved)[f->cursor].name == schema.name(),
-                "fsdp::checkpoint: the recomputation of ", *f->region, " in backward ran ", schema.name(),
+                "fsdp::activation_checkpoint: the recomputation of ", *f->region, " in backward ran ", schema.name(),
                 " where forward ran ",
                 f->cursor < f->saved->size() ? (*f->saved)[f->cursor].name : std::string("no more kept op"),
                 ". A checkpointed region must compute the same in backward as in forward; keep data-dependent "
@@ -368,7 +368,7 @@ void find_boundary(const std::vector<at::Tensor>& outputs,
       continue;
     }
     const uint64_t seq = node->sequence_nr();
-    TORCH_CHECK(seq >= begin && seq < end, "fsdp::checkpoint: ", name,
+    TORCH_CHECK(seq >= begin && seq < end, "fsdp::activation_checkpoint: ", name,
                 " used a tensor that requires grad and was computed outside it (by ", node->name(),
                 "), captured rather than passed as an argument: its gradient cannot be routed through the "
                 "recomputation. Pass that tensor as an argument of the checkpointed call.");
@@ -397,7 +397,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     for (size_t i = 0; i < state->input_versions.size(); ++i) {
       if (!state->input_versions[i]) continue;
       const uint32_t now = state->input_versions[i]->current_version();
-      TORCH_CHECK(now == state->saved_versions[i], "fsdp::checkpoint: input ", i, " of ", state->name,
+      TORCH_CHECK(now == state->saved_versions[i], "fsdp::activation_checkpoint: input ", i, " of ", state->name,
                   " was modified in place between forward and backward (version ", state->saved_versions[i],
                   " at forward, ", now,
                   " now; a view of it, an output of the region included, counts), so its recomputation would run on "
@@ -427,7 +427,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     // Without retain_graph this node runs once: the kept outputs go now, not
     // when the graph is destroyed (the loss may outlive backward).
     if (!torch::autograd::get_current_graph_task_keep_graph()) state->saved_ops.clear();
-    TORCH_CHECK(outputs.size() == state->output_meta.size(), "fsdp::checkpoint: the recomputation of ", state->name,
+    TORCH_CHECK(outputs.size() == state->output_meta.size(), "fsdp::activation_checkpoint: the recomputation of ", state->name,
                 " in backward returned ", outputs.size(), " tensors where forward returned ", state->output_meta.size(),
                 ". A checkpointed region must compute the same in backward as in forward; keep data-dependent "
                 "control flow out of it, or do not checkpoint it.");
@@ -436,7 +436,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
       const OutputMeta& then = state->output_meta[i];
       TORCH_CHECK(now.defined == then.defined && now.sizes == then.sizes && now.dtype == then.dtype &&
                       now.device == then.device,
-                  "fsdp::checkpoint: the recomputation of ", state->name, " in backward returned output ", i, " as ",
+                  "fsdp::activation_checkpoint: the recomputation of ", state->name, " in backward returned output ", i, " as ",
                   describe(now), " where forward returned ", describe(then),
                   ". A checkpointed region must compute the same in backward as in forward; keep data-dependent "
                   "control flow out of it, or do not checkpoint it.");

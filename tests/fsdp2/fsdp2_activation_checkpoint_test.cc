@@ -183,7 +183,7 @@ TEST(ActivationCheckpoint, SelectiveKeepsAndReusesThePolicysOutputs) {
     linear->weight.mutable_grad() = at::Tensor();
     at::Tensor x = input();
     torch::manual_seed(123);
-    at::Tensor out = options ? checkpoint(*options, region, x) : region(x);
+    at::Tensor out = options ? activation_checkpoint(*options, region, x) : region(x);
     at::Tensor loss = out.pow(2).sum();
     const bool kept = !mm_out->expired();
     loss.backward();
@@ -252,7 +252,7 @@ TEST(ActivationCheckpoint, CallableExampleFromTheHeader) {
   {
     torch::AutoGradMode grad(true);
     at::Tensor x = input(), px = input();
-    at::Tensor h = fsdp::checkpoint([&](const at::Tensor& in) { return block->forward(in); }, x);
+    at::Tensor h = fsdp::activation_checkpoint([&](const at::Tensor& in) { return block->forward(in); }, x);
     h.sum().backward();
     plain->forward(px).sum().backward();
     EXPECT_TRUE(at::equal(x.grad(), px.grad()));
@@ -272,7 +272,7 @@ TEST(ActivationCheckpoint, ForwardKeepsNoIntermediate) {
       return at::tanh(h);
     };
     at::Tensor x = input();
-    at::Tensor out = checkpointed ? checkpoint(region, x) : region(x);
+    at::Tensor out = checkpointed ? activation_checkpoint(region, x) : region(x);
     at::Tensor y = out.sum();
     ASSERT_TRUE(intermediate.has_value());
     EXPECT_EQ(intermediate->expired(), checkpointed) << (checkpointed ? "checkpointed" : "plain");
@@ -297,7 +297,7 @@ TEST(ActivationCheckpoint, SeveralOutputsViewsAndNonTensorArguments) {
     at::Tensor mask = at::full({4}, 0.25);  // needs no gradient
     at::Tensor index = at::tensor(std::vector<int64_t>{2, 0, 4});
     auto [parts, picked, shifted, input_view] =
-        checkpointed ? checkpoint(region, x, 0.5, mask, index, int64_t{2}) : region(x, 0.5, mask, index, 2);
+        checkpointed ? activation_checkpoint(region, x, 0.5, mask, index, int64_t{2}) : region(x, 0.5, mask, index, 2);
     EXPECT_TRUE(input_view.requires_grad());
     EXPECT_EQ(parts.size(), 2u);
     EXPECT_FALSE(shifted.requires_grad());
@@ -343,10 +343,10 @@ TEST(ActivationCheckpoint, NestedCheckpoints) {
   int outer_runs = 0;
   auto outer = [&](const at::Tensor& x) {
     ++outer_runs;
-    return model->b1(checkpoint([&](const at::Tensor& y) { return model->b0(y); }, x));
+    return model->b1(activation_checkpoint([&](const at::Tensor& y) { return model->b0(y); }, x));
   };
   at::Tensor x = input();
-  at::Tensor out = checkpoint(outer, x);
+  at::Tensor out = activation_checkpoint(outer, x);
   (out * out).sum().backward();
   at::Tensor px = input();
   at::Tensor pout = plain_model->forward(px);
@@ -377,7 +377,7 @@ TEST(ActivationCheckpoint, NoGradForwardJustRuns) {
   {
     torch::NoGradGuard no_grad;
     out = model->forward(input());
-    out2 = checkpoint(
+    out2 = activation_checkpoint(
         [&runs](const at::Tensor& x) {
           ++runs;
           return x * 2;
@@ -442,13 +442,13 @@ TEST(ActivationCheckpoint, InPlaceChangeOfASavedInputFails) {
 TEST(ActivationCheckpoint, CapturedTensorThatRequiresGradFails) {
   auto linear = torch::nn::Linear(6, 6);
   at::Tensor outside = linear(input());  // requires grad, computed outside
-  EXPECT_THROW_WITH(checkpoint([&](const at::Tensor& x) { return x + outside; }, input()), "computed outside it",
-                    "Pass that tensor as an argument");
+  EXPECT_THROW_WITH(activation_checkpoint([&](const at::Tensor& x) { return x + outside; }, input()),
+                    "computed outside it", "Pass that tensor as an argument");
 }
 
 TEST(ActivationCheckpoint, NondeterministicShapesFailInBackward) {
   int calls = 0;
-  at::Tensor out = checkpoint(
+  at::Tensor out = activation_checkpoint(
       [&calls](const at::Tensor& x) {
         ++calls;
         return calls == 1 ? x * 2 : x.narrow(0, 0, 2) * 2;

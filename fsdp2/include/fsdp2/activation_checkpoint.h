@@ -33,14 +33,14 @@
 //
 // A callable, checkpointed once (tests/fsdp2/fsdp2_activation_checkpoint_test.cc):
 //
-//   at::Tensor h = fsdp::checkpoint([&](const at::Tensor& in) { return block->forward(in); }, x);
+//   at::Tensor h = fsdp::activation_checkpoint([&](const at::Tensor& in) { return block->forward(in); }, x);
 //
 // Composed with fully_shard (see docs/fsdp2.md): a checkpointed module runs
 // its fully_shard hooks outside the checkpointed region, in either order of
 // application, so its recomputation in backward uses the parameters the
 // pre-backward unshard gathered (no second all-gather), and its gradients
 // reach the reduce-scatter once. A sharded module inside a checkpointed
-// region (a checkpointed parent, or fsdp::checkpoint around a call of a
+// region (a checkpointed parent, or fsdp::activation_checkpoint around a call of a
 // sharded module) is unsharded when the recomputation reaches it (one
 // all-gather, as without checkpointing) and reduced at the end of backward.
 //
@@ -125,7 +125,7 @@ bool in_checkpoint_recompute();
 
 }  // namespace detail
 
-// checkpoint(options, fn, args...)
+// activation_checkpoint(options, fn, args...)
 //
 // Returns fn(args...), checkpointed: forward keeps `args`, backward calls
 // `fn` again on them (with the random state of forward) and differentiates
@@ -139,7 +139,7 @@ bool in_checkpoint_recompute();
 // Errors: see the file comment; all throw c10::Error at the call (forward)
 // or in backward, naming the region.
 template <typename Fn, typename... Args>
-auto checkpoint(const CheckpointOptions& options, Fn&& fn, Args&&... args) {
+auto activation_checkpoint(const CheckpointOptions& options, Fn&& fn, Args&&... args) {
   using Result = std::decay_t<std::invoke_result_t<std::decay_t<Fn>&, std::decay_t<Args>&...>>;
   std::tuple<std::decay_t<Args>...> values(std::forward<Args>(args)...);
   if (!detail::checkpoint_records()) return Result(std::apply(fn, values));
@@ -151,11 +151,11 @@ auto checkpoint(const CheckpointOptions& options, Fn&& fn, Args&&... args) {
                                       std::move(values));
 }
 
-// checkpoint(fn, args...): the same with default options.
+// activation_checkpoint(fn, args...): the same with default options.
 template <typename Fn, typename... Args,
           typename = std::enable_if_t<!std::is_same_v<std::decay_t<Fn>, CheckpointOptions>>>
-auto checkpoint(Fn&& fn, Args&&... args) {
-  return checkpoint(CheckpointOptions{}, std::forward<Fn>(fn), std::forward<Args>(args)...);
+auto activation_checkpoint(Fn&& fn, Args&&... args) {
+  return activation_checkpoint(CheckpointOptions{}, std::forward<Fn>(fn), std::forward<Args>(args)...);
 }
 
 // checkpoint_module(module, options)
