@@ -427,8 +427,9 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     // Without retain_graph this node runs once: the kept outputs go now, not
     // when the graph is destroyed (the loss may outlive backward).
     if (!torch::autograd::get_current_graph_task_keep_graph()) state->saved_ops.clear();
-    TORCH_CHECK(outputs.size() == state->output_meta.size(), "fsdp::activation_checkpoint: the recomputation of ", state->name,
-                " in backward returned ", outputs.size(), " tensors where forward returned ", state->output_meta.size(),
+    TORCH_CHECK(outputs.size() == state->output_meta.size(), "fsdp::activation_checkpoint: the recomputation of ",
+                state->name, " in backward returned ", outputs.size(), " tensors where forward returned ",
+                state->output_meta.size(),
                 ". A checkpointed region must compute the same in backward as in forward; keep data-dependent "
                 "control flow out of it, or do not checkpoint it.");
     for (size_t i = 0; i < outputs.size(); ++i) {
@@ -436,8 +437,8 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
       const OutputMeta& then = state->output_meta[i];
       TORCH_CHECK(now.defined == then.defined && now.sizes == then.sizes && now.dtype == then.dtype &&
                       now.device == then.device,
-                  "fsdp::activation_checkpoint: the recomputation of ", state->name, " in backward returned output ", i, " as ",
-                  describe(now), " where forward returned ", describe(then),
+                  "fsdp::activation_checkpoint: the recomputation of ", state->name, " in backward returned output ", i,
+                  " as ", describe(now), " where forward returned ", describe(then),
                   ". A checkpointed region must compute the same in backward as in forward; keep data-dependent "
                   "control flow out of it, or do not checkpoint it.");
     }
