@@ -16,6 +16,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include "collectives/divergence.h"
+#include "fsdp2/activation_checkpoint.h"
 #include "phase.h"
 
 namespace fsdp::detail {
@@ -202,6 +203,13 @@ void FSDPState::check_ranks_hold_the_same_model() const {
 }
 
 void FSDPState::pre_forward(TensorRefs& inputs) {
+  // [Note: fully_shard inside a checkpointed region] A checkpoint replaces
+  // its region's forward graph by one node (fsdp2/activation_checkpoint.h),
+  // so the pre-backward hooks this state put on its outputs in forward are
+  // gone; the recomputation reaching the module in backward does that work
+  // here instead. Its gradients are returned through the checkpoint's node
+  // and reduced at the end of backward.
+  if (training_state_ != TrainingState::kPreBackward && ctx_ != nullptr && in_checkpoint_recompute()) pre_backward();
   if (training_state_ == TrainingState::kPreBackward) {
     // Recomputation during backward (activation checkpointing): the
     // pre-backward hook owns the unshard; only make sure it happened.
@@ -266,7 +274,7 @@ void FSDPState::discard_unused_forward_prefetches() {
 void FSDPState::group_pre_forward(const torch::nn::Module& /*module*/, TensorRefs& inputs) {
   // Recomputation in backward (activation checkpointing) may rerun any
   // subset of the modules: pre_forward only checks the unshard then.
-  if (training_state_ == TrainingState::kPreBackward) return pre_forward(inputs);
+  if (training_state_ == TrainingState::kPreBackward || in_checkpoint_recompute()) return pre_forward(inputs);
   if (!modules_to_run_.empty()) return;  // a later module of this forward: the group is unsharded
   pre_forward(inputs);
   for (const auto& m : modules()) modules_to_run_.insert(m.get());

@@ -156,6 +156,20 @@ void remove_hook(torch::nn::Module& module, HookId id) {
   TORCH_CHECK(removed, "fsdp2: hook ", id, " is not registered on module '", module.name(), "'");
 }
 
+namespace detail {
+
+void set_forward_wrapper(torch::nn::Module& module, ForwardWrapper wrapper) {
+  edit_hooks(module, [&](ModuleHooks& hooks) {
+    TORCH_CHECK(!wrapper || !hooks.wrapper, "fsdp2: module '", module.name(),
+                "' already runs through a forward wrapper (e.g. fsdp::checkpoint_module was applied to it before); "
+                "apply it once");
+    hooks.wrapper = std::move(wrapper);
+    return 0;
+  });
+}
+
+}  // namespace detail
+
 bool has_forward_hooks(const torch::nn::Module& module) { return Registry::instance().hooks_of(module) != nullptr; }
 
 namespace detail {
@@ -186,8 +200,11 @@ at::Tensor call_sequential(torch::nn::SequentialImpl& sequential, at::Tensor inp
       auto child_hooks = hooks_of(*child.ptr());
       TensorRefs child_inputs{&x};
       if (child_hooks) run_pre_hooks(*child_hooks, *child.ptr(), child_inputs);
-      at::Tensor y = child_hooks ? forward_with_error_hooks(*child_hooks, *child.ptr(),
-                                                            [&] { return child.forward<at::Tensor>(x); })
+      auto run_child = [child](at::Tensor in) mutable { return child.forward<at::Tensor>(std::move(in)); };
+      std::tuple<at::Tensor> args{x};
+      at::Tensor y = child_hooks ? forward_with_error_hooks(
+                                       *child_hooks, *child.ptr(),
+                                       [&] { return call_forward(*child_hooks, *child.ptr(), run_child, args); })
                                  : child.forward<at::Tensor>(x);
       TensorRefs child_outputs{&y};
       if (child_hooks) run_post_hooks(*child_hooks, *child.ptr(), child_inputs, child_outputs);
@@ -195,8 +212,10 @@ at::Tensor call_sequential(torch::nn::SequentialImpl& sequential, at::Tensor inp
     }
     return x;
   };
-  at::Tensor x =
-      hooks ? forward_with_error_hooks(*hooks, sequential, [&] { return run_children(input); }) : run_children(input);
+  std::tuple<at::Tensor> args{input};
+  at::Tensor x = hooks ? forward_with_error_hooks(*hooks, sequential,
+                                                  [&] { return call_forward(*hooks, sequential, run_children, args); })
+                       : run_children(input);
   TensorRefs outputs{&x};
   if (hooks) run_post_hooks(*hooks, sequential, inputs, outputs);
   return x;

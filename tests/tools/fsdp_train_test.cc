@@ -78,6 +78,24 @@ TEST(Validate, AllGatherDtypeFlags) {
   EXPECT_NE(fsdp_train::validate(c, 1).message().find("--no-shard gathers nothing"), std::string::npos);
 }
 
+TEST(Validate, ActivationCheckpointingFlags) {
+  fsdp_train::TrainConfig c;
+  c.ac = "full";
+  c.ac_every = 2;
+  EXPECT_TRUE(fsdp_train::validate(c, 2).ok());
+  c.ac = "some";
+  EXPECT_EQ(fsdp_train::validate(c, 2).message(), "--ac must be none, full or selective (got 'some')");
+  c.ac = "selective";
+  EXPECT_TRUE(fsdp_train::validate(c, 2).ok());
+  c.ac = "full";
+  c.ac_every = 0;
+  EXPECT_EQ(fsdp_train::validate(c, 2).message(), "--ac-every must be >= 1 (got 0)");
+  c.ac = "none";
+  c.ac_every = 3;
+  EXPECT_EQ(fsdp_train::validate(c, 2).message(),
+            "--ac-every 3 says which blocks --ac checkpoints; add --ac full or selective");
+}
+
 TEST(Validate, MeshIsReplicateTimesShard) {
   auto mesh = fsdp_train::parse_mesh("2x3", 6);
   ASSERT_TRUE(mesh.ok());

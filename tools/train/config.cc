@@ -89,6 +89,14 @@ absl::Status validate(const TrainConfig& c, int64_t world_size) {
   }
   if (c.log_every < 1) return flag_error(absl::StrCat("--log-every must be >= 1 (got ", c.log_every, ")"));
   if (c.threads < 0) return flag_error(absl::StrCat("--threads must be >= 0 (got ", c.threads, ")"));
+  if (c.ac != "none" && c.ac != "full" && c.ac != "selective") {
+    return flag_error(absl::StrCat("--ac must be none, full or selective (got '", c.ac, "')"));
+  }
+  if (c.ac_every < 1) return flag_error(absl::StrCat("--ac-every must be >= 1 (got ", c.ac_every, ")"));
+  if (c.ac_every != 1 && c.ac == "none") {
+    return flag_error(
+        absl::StrCat("--ac-every ", c.ac_every, " says which blocks --ac checkpoints; add --ac full or selective"));
+  }
   if (auto mesh = parse_mesh(c.mesh, world_size); !mesh.ok()) return mesh.status();
   if (auto d = parse_dtype("param-dtype", c.param_dtype); !d.ok()) return d.status();
   if (auto d = parse_dtype("reduce-dtype", c.reduce_dtype); !d.ok()) return d.status();

@@ -73,6 +73,14 @@ struct TrainConfig {
   bool cpu_offload = false;
   // Intra-op threads per rank; 0: the machine's cores divided among the local ranks.
   int64_t threads = 0;
+  // Activation checkpointing of the blocks (fsdp2/activation_checkpoint.h):
+  // none; full (each checkpointed block keeps only its input through
+  // forward and runs again in backward); selective (it also keeps the
+  // outputs of its matmuls and attention, fsdp::selective_checkpoint_ops(),
+  // and recomputes the rest). ac_every N checkpoints blocks 0, N, 2N, ...
+  // (torchtitan's "every Nth block").
+  std::string ac = "none";
+  int64_t ac_every = 1;
   // The same model and loop without fully_shard, on one rank: the unsharded
   // LibTorch baseline of the benchmarks (tools/bench).
   bool no_shard = false;

@@ -85,6 +85,11 @@ ABSL_FLAG(std::string, all_gather_dtype, kDefaults.all_gather_dtype,
 ABSL_FLAG(bool, compare_all_gather, kDefaults.compare_all_gather,
           "Train twice in one run, with the plain and the int8 all-gather (needs --all-gather-dtype int8), and "
           "print bytes all-gathered per step, step time and the loss curves' largest difference.");
+ABSL_FLAG(std::string, ac, kDefaults.ac,
+          "Activation checkpointing of the blocks: none, full (each checkpointed block keeps only its input "
+          "through forward and is recomputed in backward) or selective (full, but the outputs of the matmuls and "
+          "attention are kept, not recomputed).");
+ABSL_FLAG(int64_t, ac_every, kDefaults.ac_every, "With --ac: checkpoint every this many blocks (0, N, 2N, ...).");
 ABSL_FLAG(bool, no_shard, kDefaults.no_shard,
           "Train the same model without fully_shard on one rank (the unsharded baseline of the benchmarks).");
 ABSL_FLAG(std::string, save_dir, "",
@@ -135,6 +140,8 @@ fsdp_train::TrainConfig config_from_flags() {
   c.cpu_offload = absl::GetFlag(FLAGS_cpu_offload);
   c.threads = absl::GetFlag(FLAGS_threads);
   c.no_shard = absl::GetFlag(FLAGS_no_shard);
+  c.ac = absl::GetFlag(FLAGS_ac);
+  c.ac_every = absl::GetFlag(FLAGS_ac_every);
   c.all_gather_dtype = absl::GetFlag(FLAGS_all_gather_dtype);
   c.compare_all_gather = absl::GetFlag(FLAGS_compare_all_gather);
   c.save_dir = absl::GetFlag(FLAGS_save_dir);

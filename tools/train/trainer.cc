@@ -32,6 +32,7 @@
 #include "collectives/flight_recorder.h"
 #include "data.h"
 #include "device_mesh/device_mesh.h"
+#include "fsdp2/activation_checkpoint.h"
 #include "fsdp2/clip_grad.h"
 #include "fsdp2/custom_collectives.h"
 #include "fsdp2/fully_shard.h"
@@ -154,6 +155,12 @@ void print_header(const TrainConfig& c, const fsdp::DeviceMesh& mesh, const Corp
         c.reduce_dtype.c_str(), c.cpu_offload ? ", CPU offload" : "",
         c.all_gather_dtype == "int8" ? ", int8 all-gather (blocks)" : "");
   }
+  if (c.ac != "none") {
+    const int64_t checkpointed = (m.layers + c.ac_every - 1) / c.ac_every;
+    std::printf("  ac      %s activation checkpointing of %lld of %lld blocks (every %lld)\n", c.ac.c_str(),
+                static_cast<long long>(checkpointed), static_cast<long long>(m.layers),
+                static_cast<long long>(c.ac_every));
+  }
   std::fflush(stdout);
 }
 
@@ -205,14 +212,20 @@ TrainingResult run_training(const TrainConfig& c, const std::shared_ptr<fsdp::co
   // error reaches the loss most directly.
   const std::shared_ptr<fsdp::AllGather> block_all_gather =
       c.all_gather_dtype == "int8" ? std::make_shared<fsdp::Int8AllGather>() : nullptr;
-  std::function<void(Block&)> shard_block;
-  if (!c.no_shard) {
-    shard_block = [&](Block& block) {
-      fsdp::FSDPModule sharded = fsdp::fully_shard(block, block_options);
-      if (block_all_gather) sharded.set_custom_all_gather(block_all_gather);
-    };
-  }
-  std::shared_ptr<Transformer> model = build_transformer(mc, c.seed, device, shard_block);
+  // --ac: blocks 0, N, 2N, ... are checkpointed, then sharded (the order
+  // users apply them; fully_shard's hooks run outside the checkpoint either
+  // way). Selective keeps the matmuls' and attention's outputs.
+  fsdp::CheckpointOptions ac_options;
+  if (c.ac == "selective") ac_options.save_ops = fsdp::selective_checkpoint_ops();
+  int64_t block_index = 0;
+  std::function<void(Block&)> on_block = [&](Block& block) {
+    if (c.ac != "none" && block_index % c.ac_every == 0) fsdp::checkpoint_module(*block, ac_options);
+    ++block_index;
+    if (c.no_shard) return;
+    fsdp::FSDPModule sharded = fsdp::fully_shard(block, block_options);
+    if (block_all_gather) sharded.set_custom_all_gather(block_all_gather);
+  };
+  std::shared_ptr<Transformer> model = build_transformer(mc, c.seed, device, on_block);
   std::optional<fsdp::FSDPModule> root;
   if (!c.no_shard) root = fsdp::fully_shard(model, options);
 

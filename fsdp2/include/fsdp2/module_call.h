@@ -92,12 +92,32 @@ bool has_forward_hooks(const torch::nn::Module& module);
 
 namespace detail {
 
+// A module call (or any callable) reduced to its tensors: runs it on
+// `inputs`, the tensors among its arguments in order (its other arguments
+// are bound in), and returns the tensors among its results, in order. It may
+// be run again later (activation checkpointing recomputes it in backward).
+using TensorRegion = std::function<std::vector<at::Tensor>(std::vector<at::Tensor> inputs)>;
+// Runs a region in place of a plain call: calls `region(inputs)` once before
+// returning and returns tensors standing for its results, one per result
+// tensor (fsdp/activation_checkpoint.h). `module` is the module called, or
+// null for a callable. The forward pre-hooks run before it and the forward
+// hooks after it.
+using ForwardWrapper = std::function<std::vector<at::Tensor>(torch::nn::Module* module, const TensorRegion& region,
+                                                             std::vector<at::Tensor> inputs)>;
+
 struct ModuleHooks {
   std::vector<std::pair<HookId, ForwardPreHook>> pre;
   std::vector<std::pair<HookId, ForwardHook>> post;
   std::vector<std::pair<HookId, ForwardErrorHook>> error;
-  bool empty() const { return pre.empty() && post.empty() && error.empty(); }
+  // At most one; see set_forward_wrapper.
+  ForwardWrapper wrapper;
+  bool empty() const { return pre.empty() && post.empty() && error.empty() && !wrapper; }
 };
+
+// Makes every call of `module` through call_module / call_module_method /
+// fsdp::Sequential run through `wrapper` (an empty one removes it). Throws
+// when `module` has a wrapper and `wrapper` is not empty.
+void set_forward_wrapper(torch::nn::Module& module, ForwardWrapper wrapper);
 
 // The hooks of `module`, or null. Snapshot: safe against concurrent changes.
 std::shared_ptr<const ModuleHooks> hooks_of(const torch::nn::Module& module);
@@ -158,6 +178,66 @@ at::Tensor call_sequential(torch::nn::SequentialImpl& sequential, at::Tensor inp
 
 namespace detail {
 
+// Calls `fn` on `values` (a std::tuple of its arguments) through `wrapper`,
+// and returns its result with each tensor replaced by the one the wrapper
+// returned for it. `fn` and the non-tensor values are copied into the
+// region, the tensors are passed as its inputs; `owner` (may be null) is
+// kept alive by the region, for `fn` to reference.
+template <typename Fn, typename Tuple>
+auto call_through_wrapper(const ForwardWrapper& wrapper, torch::nn::Module* module, std::shared_ptr<const void> owner,
+                          Fn fn, Tuple values) {
+  using Result = std::decay_t<decltype(std::apply(fn, values))>;
+  TensorRefs refs;
+  collect_tensors(values, refs);
+  std::vector<at::Tensor> inputs;
+  inputs.reserve(refs.size());
+  // The region keeps the arguments without their tensors: whoever runs it
+  // again passes the tensors back in (and decides how long they live).
+  for (at::Tensor* t : refs) inputs.push_back(std::exchange(*t, at::Tensor()));
+  // The first run's result, whose structure the call returns.
+  struct First {
+    std::optional<Result> result;
+    bool taken = false;
+  };
+  auto first = std::make_shared<First>();
+  TensorRegion region = [fn = std::move(fn), values = std::move(values), owner = std::move(owner),
+                         first](std::vector<at::Tensor> in) mutable {
+    Tuple args = values;
+    TensorRefs arg_refs;
+    collect_tensors(args, arg_refs);
+    TORCH_INTERNAL_ASSERT(arg_refs.size() == in.size(), "fsdp2: a region got ", in.size(), " tensors for ",
+                          arg_refs.size(), " tensor arguments");
+    for (size_t i = 0; i < in.size(); ++i) *arg_refs[i] = std::move(in[i]);
+    Result out = std::apply(fn, args);
+    TensorRefs out_refs;
+    collect_tensors(out, out_refs);
+    std::vector<at::Tensor> result;
+    result.reserve(out_refs.size());
+    for (at::Tensor* t : out_refs) result.push_back(*t);
+    if (!first->taken && !first->result) first->result.emplace(std::move(out));
+    return result;
+  };
+  std::vector<at::Tensor> outputs = wrapper(module, region, std::move(inputs));
+  TORCH_CHECK(first->result.has_value(), "fsdp2: a forward wrapper returned without running the forward");
+  first->taken = true;
+  Result result = std::move(*first->result);
+  first->result.reset();
+  TensorRefs out_refs;
+  collect_tensors(result, out_refs);
+  TORCH_CHECK(out_refs.size() == outputs.size(), "fsdp2: a forward wrapper returned ", outputs.size(),
+              " tensors for a result of ", out_refs.size());
+  for (size_t i = 0; i < outputs.size(); ++i) *out_refs[i] = std::move(outputs[i]);
+  return result;
+}
+
+// `fn(values...)`, through the module's forward wrapper when it has one.
+template <typename Fn, typename Tuple>
+auto call_forward(const ModuleHooks& hooks, torch::nn::Module& module, Fn& fn, Tuple& values)
+    -> std::decay_t<decltype(std::apply(fn, values))> {
+  if (!hooks.wrapper) return std::apply(fn, values);
+  return call_through_wrapper(hooks.wrapper, &module, module.shared_from_this(), fn, values);
+}
+
 // Runs `fn(args...)` with `module`'s forward hooks around it: what
 // call_module and call_module_method share. `fn` takes the arguments as
 // forwarded here when `module` has no hooks, else as lvalues of the copies
@@ -170,7 +250,7 @@ auto call_with_hooks(torch::nn::Module& module, Fn&& fn, Args&&... args) {
   TensorRefs inputs;
   collect_tensors(values, inputs);
   run_pre_hooks(*hooks, module, inputs);
-  auto output = forward_with_error_hooks(*hooks, module, [&] { return std::apply(fn, values); });
+  auto output = forward_with_error_hooks(*hooks, module, [&] { return call_forward(*hooks, module, fn, values); });
   TensorRefs outputs;
   collect_tensors(output, outputs);
   run_post_hooks(*hooks, module, inputs, outputs);
