@@ -1,5 +1,5 @@
 # Two commands do all set-up on a fresh machine:
-#   make demo   bootstrap, build, train the sharded transformer on 2 local ranks
+#   make demo   bootstrap, build the trainer, train the sharded transformer on 2 local ranks
 #   make test   bootstrap, build, run every test through CTest
 # The torch to build against (docs/build.md, "Torch versions"): 2.11.0, the
 # version the GPU machines carry, unless TORCH_VERSION names another of
@@ -45,7 +45,9 @@ build: $(BUILD)/CMakeCache.txt
 test: build
 	ctest --test-dir $(BUILD) --output-on-failure -j $(CTEST_JOBS)
 
-demo: build
+# Builds only the trainer and the libraries it links, not the tests.
+demo: $(BUILD)/CMakeCache.txt
+	cmake --build $(BUILD) -j $(JOBS) --target fsdp_train
 	$(BUILD)/tools/train/fsdp_train --nproc 2
 
 # The unit and distributed tests built with AddressSanitizer and

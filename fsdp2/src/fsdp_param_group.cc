@@ -11,10 +11,8 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
-#include "fsdp_common/logging.h"
 #include "fsdp_state.h"
 #include "phase.h"
-#include "stream_check/stream_check.h"
 
 namespace fsdp::detail {
 namespace {
@@ -48,12 +46,6 @@ struct PostBackwardFunction : torch::autograd::Function<PostBackwardFunction> {
   }
 };
 
-// Names `t` in stream-order reports ("the all-gather output of 'layers.3'").
-void name_for_stream_check(const at::Tensor& t, const char* what, const std::string& module_fqn) {
-  if (!stream_check::active()) return;
-  stream_check::name_buffer(t, std::string(what) + " of " + (module_fqn.empty() ? "the root" : "'" + module_fqn + "'"));
-}
-
 }  // namespace
 
 void FSDPCommContext::release_all_gather_state() {
@@ -62,6 +54,15 @@ void FSDPCommContext::release_all_gather_state() {
   last_all_gather_done.block(streams.all_gather());
   last_all_gather_done = DeviceEvent();
   last_all_gather_output = at::Tensor();
+}
+
+FSDPCommContext::AllGatherStreams FSDPCommContext::all_gather_streams(bool async_op,
+                                                                      TrainingState training_state) const {
+  if (!async_op && (training_state == TrainingState::kForward || training_state == TrainingState::kPreBackward)) {
+    return {streams.all_gather_copy_in(), streams.all_gather()};
+  }
+  const std::optional<c10::Stream> current = streams.current_stream();
+  return {current, current};
 }
 
 void FSDPCommContext::wait_for_reduce_scatters(size_t keep) {
@@ -149,15 +150,6 @@ void reduce_one_rank_in_place(const at::Tensor& t, const collectives::ReduceOp& 
 
 }  // namespace
 
-std::string describe_reduce(const collectives::ReduceOp& op, collectives::BackendKind backend, int64_t world) {
-  if (backend != collectives::BackendKind::kGloo) return op.to_string();
-  switch (op.kind()) {
-    case collectives::ReduceOp::Kind::kAvg: return "SUM, then a local division by " + std::to_string(world);
-    case collectives::ReduceOp::Kind::kPremulSum: return "SUM, then a local " + op.to_string();
-    default: return op.to_string();
-  }
-}
-
 FSDPParamGroup::FSDPParamGroup(std::vector<at::Tensor> params, std::vector<std::string> param_names, DeviceMesh mesh,
                                c10::Device device, const MixedPrecisionPolicy& mp_policy,
                                std::shared_ptr<collectives::Communicator> post_forward_comm,
@@ -173,13 +165,14 @@ FSDPParamGroup::FSDPParamGroup(std::vector<at::Tensor> params, std::vector<std::
   param_dtype_ = mp_policy.param_dtype.value_or(params.front().scalar_type());
   reduce_dtype_ = mp_policy.reduce_dtype.value_or(param_dtype_);
   TORCH_INTERNAL_ASSERT(shard_dims.empty() || shard_dims.size() == params.size());
+  layout_.world = shard_comm_->size();
   for (size_t i = 0; i < params.size(); ++i) {
     params_.push_back(std::make_unique<FSDPParam>(std::move(params[i]), std::move(param_names[i]), shard_comm_->rank(),
                                                   shard_comm_->size(), param_dtype_, offload_policy, device_,
                                                   shard_dims.empty() ? 0 : shard_dims[i]));
-    padded_numels_.push_back(params_.back()->padded_shard_numel());
-    padded_total_ += padded_numels_.back();
-    chunk_cat_ = chunk_cat_ || params_.back()->chunk_cat();
+    layout_.padded_numels.push_back(params_.back()->padded_shard_numel());
+    layout_.padded_total += layout_.padded_numels.back();
+    layout_.chunk_cat = layout_.chunk_cat || params_.back()->chunk_cat();
   }
   // See [Note: world size 1 fast path]. The shard's device type rules out
   // shards kept on the host for a device computation.
@@ -222,87 +215,23 @@ void FSDPParamGroup::unshard(bool async_op) {
     reshard_after_forward_done_.block(streams.all_gather());
     reshard_after_forward_done_ = DeviceEvent();
   }
-  // Implicit prefetch in forward/backward uses the all-gather streams so the
-  // collective overlaps compute; an explicit unshard runs on the caller's
-  // stream (FSDP2's _get_all_gather_streams).
-  std::optional<c10::Stream> copy_in_stream = streams.current_stream();
-  std::optional<c10::Stream> all_gather_stream = copy_in_stream;
-  if (!async_op && (training_state_ == TrainingState::kForward || training_state_ == TrainingState::kPreBackward)) {
-    copy_in_stream = streams.all_gather_copy_in();
-    all_gather_stream = streams.all_gather();
-  }
+  const FSDPCommContext::AllGatherStreams on = comm_ctx_->all_gather_streams(async_op, training_state_);
   // After a reshard to a smaller world, the all-gather runs within the
-  // post-forward group from this rank's larger shard; the output has the same
-  // rank-major layout either way, so the copy-out is the same.
+  // post-forward group, from the shard kept after forward.
   const bool from_post_forward = sharded_state_ == ShardedState::kShardedPostForward;
-  const auto& comm = from_post_forward ? post_forward_comm_ : shard_comm_;
+  collectives::Communicator& comm = from_post_forward ? *post_forward_comm_ : *shard_comm_;
   // Offload: the shards are on the host, the all-gather on `device_`.
   const auto options = params_.front()->padded_shard().options().dtype(param_dtype_).device(device_);
-  const int64_t world = shard_comm_->size();
-  at::Tensor output;
-  at::Tensor input;
-  {
-    OptionalStreamGuard guard(copy_in_stream);
-    PhaseScope phase(phase_labels_[Phase::kAllGatherCopyIn]);
-    // No wait for the last forward copy-out here: see [Note: all-gather
-    // output lifetime].
-    output = allocate_all_gather_output(world * padded_total_, options);
-    name_for_stream_check(output, "the all-gather output", module_fqn_);
-    const int64_t input_numel = output.numel() / comm->size();
-    c10::NoGradGuard no_grad;
-    // NCCL gathers in place from the output's own slice; Gloo gets a
-    // separate input, as its all-gather copies the input into the output.
-    const bool in_place = comm->backend_kind() == collectives::BackendKind::kNccl;
-    if (from_post_forward && !in_place) {
-      input = post_forward_shard_;
-    } else {
-      input = in_place ? output.narrow(0, comm->rank() * input_numel, input_numel) : at::empty({input_numel}, options);
-      if (!in_place) name_for_stream_check(input, "the all-gather input", module_fqn_);
-      if (from_post_forward) {
-        input.copy_(post_forward_shard_);
-      } else {
-        std::vector<at::Tensor> sources;
-        sources.reserve(params_.size());
-        for (const auto& p : params_) {
-          p->reset_sharded_param();  // see [Note: replaced parameter data]
-          if (offload_to_cpu_ && p->orig_dtype() != param_dtype_) {
-            // Cast on the device, not on the host.
-            sources.push_back(p->padded_shard().to(device_, /*non_blocking=*/true));
-            continue;
-          }
-          // Mixed precision: _foreach_copy_ casts the shard to param_dtype as
-          // it copies it in (no cast copy first).
-          sources.push_back(p->padded_shard());
-        }
-        std::vector<at::Tensor> dests = input.split_with_sizes(padded_numels_);
-        if (offload_to_cpu_) {
-          // See [Note: CPU offload]: asynchronous from pinned memory, on this
-          // copy-in stream.
-          for (size_t i = 0; i < dests.size(); ++i) dests[i].copy_(sources[i], /*non_blocking=*/true);
-        } else {
-          at::_foreach_copy_(dests, sources);
-        }
-      }
-    }
-  }
-  AllGatherResult result;
+  AllGatherInput input =
+      all_gather_copy_in(params_, layout_, from_post_forward ? post_forward_shard_ : at::Tensor(), comm, options,
+                         offload_to_cpu_, on.copy_in, *all_gather_comm_, phase_labels_, module_fqn_);
+  if (offload_to_cpu_) offload_copy_in_done_ = input.copy_in_done;
+  AllGatherResult result = foreach_all_gather(std::move(input), comm, on.all_gather, *all_gather_comm_);
   result.async_op = async_op;
-  result.separate_input = input.defined() && !input.is_alias_of(output) && !from_post_forward;
-  if (custom_all_gather_) result.custom_input = input;
-  result.copy_in_done = DeviceEvent::record(copy_in_stream);
-  result.copy_in_stream = copy_in_stream;
-  if (offload_to_cpu_) offload_copy_in_done_ = result.copy_in_done;
-  result.all_gather_stream = all_gather_stream;
-  {
-    OptionalStreamGuard guard(all_gather_stream);
-    result.copy_in_done.block(all_gather_stream);
-    result.work = issue_all_gather(output, input, *comm);
-  }
+  result.copy_in_stream = on.copy_in;
   comm_ctx_->stats.all_gathers += 1;
   comm_ctx_->stats.all_gather_bytes +=
-      custom_all_gather_ ? custom_all_gather_->received_bytes(input.numel(), param_dtype_, comm->size())
-                         : (output.numel() - input.numel()) * static_cast<int64_t>(output.element_size());
-  result.output = std::move(output);
+      all_gather_comm_->received_bytes(result.input.numel(), param_dtype_, comm.size());
   all_gather_ = std::move(result);
 }
 
@@ -334,30 +263,7 @@ void FSDPParamGroup::wait_for_unshard() {
   // the copy-in stream and goes with `result` below: the allocator may reuse
   // it there only after the collective read it.
   if (result.separate_input) gathered.block(streams.all_gather_copy_in());
-  {
-    PhaseScope phase(phase_labels_[Phase::kAllGatherCopyOut]);
-    c10::NoGradGuard no_grad;
-    const at::Tensor gathered = result.output.view({shard_comm_->size(), padded_total_});
-    if (chunk_cat_) {
-      // [Note: shard dim] One copy per parameter: rows for dim 0, a
-      // concatenation along the shard dim for the others.
-      int64_t column = 0;
-      for (const auto& p : params_) {
-        const at::Tensor rows = gathered.narrow(1, column, p->padded_shard_numel());
-        column += p->padded_shard_numel();
-        if (p->chunk_cat()) {
-          p->copy_out_chunks(rows);
-        } else {
-          p->alloc_all_gather_output_rows().copy_(rows);
-        }
-      }
-    } else {
-      std::vector<at::Tensor> outs;
-      outs.reserve(params_.size());
-      for (const auto& p : params_) outs.push_back(p->alloc_all_gather_output_rows());
-      at::split_with_sizes_copy_out(outs, gathered, padded_numels_, /*dim=*/1);
-    }
-  }
+  foreach_all_gather_copy_out(result.output, params_, layout_, phase_labels_);
   to_unsharded();
   DeviceEvent copy_out_done = DeviceEvent::record(current);
   if (!result.async_op && training_state_ == TrainingState::kForward && streams.enabled()) {
@@ -515,8 +421,7 @@ void FSDPParamGroup::post_backward() {
   // unused parameters are reduced once per backward.
   const bool reduce_unused = settings_.reduce_scatter_unused_params && training_state_ != TrainingState::kPostBackward;
   training_state_ = TrainingState::kPostBackward;
-  std::vector<FSDPParam*> params_with_grad;
-  std::vector<at::Tensor> grads;
+  GradsToReduce to_reduce;
   const bool unsharded = is_unsharded();
   // A sharded group has no gradient to reduce (autograd cannot have
   // accumulated into its sharded parameters), except:
@@ -532,25 +437,10 @@ void FSDPParamGroup::post_backward() {
       if (unsharded && settings_.reshard_after_backward) to_sharded();
       return;
     }
-    for (const auto& p : params_) {
-      at::Tensor g = p->take_unsharded_grad(p->take_autograd_grad());
-      if (!g.defined()) {
-        // Every rank then reduces the same parameters, whatever its control
-        // flow used (FSDP2's unsharded_zero_grad_data, in the dtype autograd
-        // would have produced).
-        if (!reduce_unused || !p->param().requires_grad()) continue;
-        g = at::zeros(p->unsharded_shape(), at::TensorOptions().dtype(param_dtype_).device(device_));
-      }
-      TORCH_CHECK(!unsharded || g.sizes() == c10::IntArrayRef(p->unsharded_shape()), "fsdp2: parameter '", p->fqn(),
-                  "' has a gradient of shape ", g.sizes(), " at the end of its backward, expected ",
-                  c10::IntArrayRef(p->unsharded_shape()),
-                  ". Was the module called around its hooks (not through fsdp::call_module)?");
-      params_with_grad.push_back(p.get());
-      grads.push_back(std::move(g));
-    }
+    to_reduce = take_grads_to_reduce(reduce_unused, unsharded);
     if (unsharded && settings_.reshard_after_backward) to_sharded();
   }
-  if (grads.empty()) return;
+  if (to_reduce.grads.empty()) return;
 
   PhaseScope reduce_phase(phase_labels_[Phase::kPostBackwardReduce]);
   // See [Note: bounded reductions].
@@ -559,71 +449,31 @@ void FSDPParamGroup::post_backward() {
   const StreamSet& streams = comm_ctx_->streams;
   const ReduceOps ops = reduce_ops();
   if (fast_path_) {
-    reduce_in_place(params_with_grad, grads, ops);
+    reduce_in_place(to_reduce.params, to_reduce.grads, ops);
     return;
   }
-  const int64_t world = shard_comm_->size();
-  int64_t total = 0;
-  for (FSDPParam* p : params_with_grad) total += p->padded_shard_numel();
-  at::Tensor input =
-      allocate_reduce_scatter_buffer(world * total, grads.front().options().dtype(reduce_dtype_)).view({world, total});
-  name_for_stream_check(input, "the reduce-scatter input", module_fqn_);
-  {
-    PhaseScope copy_in(phase_labels_[Phase::kReduceScatterCopyIn]);
-    c10::NoGradGuard no_grad;
-    std::vector<at::Tensor> grads_2d;
-    grads_2d.reserve(grads.size());
-    for (size_t i = 0; i < grads.size(); ++i) {
-      const at::Tensor& g = grads[i];
-      const int64_t rows = g.dim() == 0 ? 1 : g.size(0);
-      if (params_with_grad[i]->chunk_cat()) {
-        // [Note: shard dim] Already one padded row per rank, which
-        // _chunk_cat keeps as is.
-        grads_2d.push_back(params_with_grad[i]->padded_chunks(g, 0, world));
-        continue;
-      }
-      grads_2d.push_back(g.reshape({rows, rows == 0 ? 0 : g.numel() / rows}));
-    }
-    // Mixed precision: _chunk_cat casts each gradient to reduce_dtype as it
-    // copies it in (as in FSDP2's foreach_reduce), with no cast copy first.
-    at::_chunk_cat_out(input, grads_2d, /*dim=*/0, /*num_chunks=*/world);
-    // Only the copy-in reads the gradients: they are freed here, on the
-    // stream that made them.
-    grads_2d.clear();
-    grads.clear();
-    if (ops.pre_divide != 1.0) input.div_(ops.pre_divide);
-  }
-  const std::optional<c10::Stream> rs_stream = streams.reduce_scatter();
-  StreamSet::wait_stream(rs_stream, streams.current_stream());
-  at::Tensor output;
-  collectives::Work work;
-  {
-    OptionalStreamGuard guard(rs_stream);
-    output = allocate_reduce_scatter_buffer(total, input.options());
-    name_for_stream_check(output, "the reduce-scatter output", module_fqn_);
-    FSDP2CPP_LOG_DEBUG(phase_labels_[Phase::kReduceScatter] + " op " +
-                       describe_reduce(ops.reduce_scatter, shard_comm_->backend_kind(), world) + " in " +
-                       c10::toString(reduce_dtype_) + ", " + std::to_string(total) + " elements per rank");
-    PhaseScope rs_phase(phase_labels_[Phase::kReduceScatter]);
-    work = issue_reduce_scatter(output, input.view({-1}), ops.reduce_scatter);
-  }
+  // set_separate_reduce_scatter_group: its own communicator over the same
+  // ranks.
+  collectives::Communicator& comm = settings_.reduce_scatter_comm ? *settings_.reduce_scatter_comm : *shard_comm_;
+  ReduceScatterResult rs =
+      foreach_reduce(to_reduce.params, std::move(to_reduce.grads), layout_.world, reduce_dtype_, ops.reduce_scatter,
+                     ops.pre_divide, comm, *reduce_scatter_comm_, streams, phase_labels_, module_fqn_);
   comm_ctx_->stats.reduce_scatters += 1;
-  comm_ctx_->stats.reduce_scatter_bytes += custom_reduce_scatter_
-                                               ? custom_reduce_scatter_->sent_bytes(input.numel(), reduce_dtype_, world)
-                                               : input.numel() * static_cast<int64_t>(input.element_size());
-  pending_reduce_ = PendingReduce{std::move(work), std::move(output), std::move(params_with_grad),
-                                  ops.all_reduce,  ops.post_divide,   settings_.all_reduce_grads,
-                                  rs_stream};
-  FSDPCommContext::ReduceScatterState state{std::move(input)};
+  comm_ctx_->stats.reduce_scatter_bytes +=
+      reduce_scatter_comm_->sent_bytes(rs.input.numel(), reduce_dtype_, layout_.world);
+  pending_reduce_ = PendingReduce{std::move(rs.work), std::move(rs.output), std::move(to_reduce.params),
+                                  ops.all_reduce,     ops.post_divide,      settings_.all_reduce_grads,
+                                  rs.stream};
+  FSDPCommContext::ReduceScatterState state{std::move(rs.input)};
   if (streams.enabled()) {
     // Completing it only enqueues work on the reduction streams. The event
     // that frees the input is recorded after it: only then has the
     // reduce-scatter stream followed the collective's own stream (Work's
     // contract), as FSDP2 records its reduce_scatter event after the
-    // collective. Recorded before, it let the next group free the input
-    // while NCCL could still read it.
+    // collective; an event recorded before the wait would let the next
+    // group free the input while NCCL could still read it.
     wait_for_post_backward();
-    state.done = DeviceEvent::record(rs_stream);
+    state.done = DeviceEvent::record(rs.stream);
   } else {
     // On CPU the reduce-scatter runs on Gloo's threads while backward goes
     // on; it is completed before a later group's is issued (see [Note:
@@ -631,6 +481,27 @@ void FSDPParamGroup::post_backward() {
     state.group = this;
   }
   comm_ctx_->reduce_scatter_states.push_back(std::move(state));
+}
+
+FSDPParamGroup::GradsToReduce FSDPParamGroup::take_grads_to_reduce(bool reduce_unused, bool unsharded) {
+  GradsToReduce result;
+  for (const auto& p : params_) {
+    at::Tensor g = p->take_unsharded_grad(p->take_autograd_grad());
+    if (!g.defined()) {
+      // Every rank then reduces the same parameters, whatever its control
+      // flow used (FSDP2's unsharded_zero_grad_data, in the dtype autograd
+      // would have produced).
+      if (!reduce_unused || !p->param().requires_grad()) continue;
+      g = at::zeros(p->unsharded_shape(), at::TensorOptions().dtype(param_dtype_).device(device_));
+    }
+    TORCH_CHECK(!unsharded || g.sizes() == c10::IntArrayRef(p->unsharded_shape()), "fsdp2: parameter '", p->fqn(),
+                "' has a gradient of shape ", g.sizes(), " at the end of its backward, expected ",
+                c10::IntArrayRef(p->unsharded_shape()),
+                ". Was the module called around its hooks (not through fsdp::call_module)?");
+    result.params.push_back(p.get());
+    result.grads.push_back(std::move(g));
+  }
+  return result;
 }
 
 void FSDPParamGroup::reduce_in_place(std::vector<FSDPParam*>& params, std::vector<at::Tensor>& grads,
@@ -812,33 +683,23 @@ void FSDPParamGroup::wait_for_offload_copies() {
 
 // ---- Custom collectives (fsdp2/custom_collectives.h) ----
 
-namespace {
-
-std::string group_label(const std::string& module_fqn) {
-  return module_fqn.empty() ? "the root module" : "module '" + module_fqn + "'";
-}
-
-void check_custom_buffer(const at::Tensor& t, int64_t numel, const at::TensorOptions& options, const char* what,
-                         const std::string& module_fqn) {
-  TORCH_CHECK(t.defined() && t.dim() == 1 && t.numel() == numel && t.scalar_type() == options.dtype() &&
-                  t.device() == options.device() && t.is_contiguous(),
-              "fsdp2: ", group_label(module_fqn), ": the custom ", what, "'s allocate returned ",
-              t.defined() ? "a tensor of shape " + c10::str(t.sizes()) + ", " + c10::toString(t.scalar_type()) +
-                                " on " + t.device().str() + (t.is_contiguous() ? "" : ", not contiguous")
-                          : std::string("an undefined tensor"),
-              "; expected a contiguous tensor of shape [", numel, "], ", c10::toString(options.dtype()), " on ",
-              options.device(), ". allocate must return a buffer of exactly the sizes, dtype and device it is given");
-}
-
-}  // namespace
-
 void FSDPParamGroup::set_custom_all_gather(std::shared_ptr<AllGather> comm) {
-  custom_all_gather_ = std::move(comm);
+  custom_all_gather_ = comm != nullptr;
+  if (comm) {
+    all_gather_comm_ = std::make_unique<UserAllGather>(std::move(comm), module_fqn_);
+  } else {
+    all_gather_comm_ = std::make_unique<DefaultAllGather>();
+  }
   update_fast_path();
 }
 
 void FSDPParamGroup::set_custom_reduce_scatter(std::shared_ptr<ReduceScatter> comm) {
-  custom_reduce_scatter_ = std::move(comm);
+  custom_reduce_scatter_ = comm != nullptr;
+  if (comm) {
+    reduce_scatter_comm_ = std::make_unique<UserReduceScatter>(std::move(comm), module_fqn_);
+  } else {
+    reduce_scatter_comm_ = std::make_unique<DefaultReduceScatter>();
+  }
   update_fast_path();
 }
 
@@ -854,45 +715,6 @@ void FSDPParamGroup::update_fast_path() {
     }
   }
   fast_path_ = fast;
-}
-
-at::Tensor FSDPParamGroup::allocate_all_gather_output(int64_t numel, const at::TensorOptions& options) const {
-  if (!custom_all_gather_) return at::empty({numel}, options);
-  at::Tensor output = custom_all_gather_->allocate({numel}, options.dtype().toScalarType(), options.device());
-  check_custom_buffer(output, numel, options, "all-gather", module_fqn_);
-  return output;
-}
-
-collectives::Work FSDPParamGroup::issue_all_gather(const at::Tensor& output, const at::Tensor& input,
-                                                   collectives::Communicator& comm) const {
-  if (!custom_all_gather_) return comm.all_gather_into_tensor(output, input);
-  try {
-    return custom_all_gather_->all_gather(output, input, comm);
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "fsdp2: ", group_label(module_fqn_), ": the custom all-gather failed on ", comm.name(), ": ",
-                e.what_without_backtrace());
-  }
-}
-
-at::Tensor FSDPParamGroup::allocate_reduce_scatter_buffer(int64_t numel, const at::TensorOptions& options) const {
-  if (!custom_reduce_scatter_) return at::empty({numel}, options);
-  at::Tensor buffer = custom_reduce_scatter_->allocate({numel}, options.dtype().toScalarType(), options.device());
-  check_custom_buffer(buffer, numel, options, "reduce-scatter", module_fqn_);
-  return buffer;
-}
-
-collectives::Work FSDPParamGroup::issue_reduce_scatter(const at::Tensor& output, const at::Tensor& input,
-                                                       const collectives::ReduceOp& op) const {
-  // set_separate_reduce_scatter_group: its own communicator over the same
-  // ranks.
-  collectives::Communicator& comm = settings_.reduce_scatter_comm ? *settings_.reduce_scatter_comm : *shard_comm_;
-  if (!custom_reduce_scatter_) return comm.reduce_scatter_tensor(output, input, op);
-  try {
-    return custom_reduce_scatter_->reduce_scatter(output, input, op, comm);
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "fsdp2: ", group_label(module_fqn_), ": the custom reduce-scatter failed on ", comm.name(), ": ",
-                e.what_without_backtrace());
-  }
 }
 
 int64_t FSDPParamGroup::unsharded_storage_bytes() const {

@@ -18,6 +18,7 @@
 #include "fsdp2/custom_collectives.h"
 #include "fsdp2/fully_shard.h"
 #include "fsdp2/module_call.h"
+#include "fsdp_collectives.h"
 #include "fsdp_param.h"
 #include "phase_labels.h"
 #include "streams.h"
@@ -65,6 +66,16 @@ struct FSDPCommContext {
   // [Note: implicit forward prefetch] in fsdp_state.h).
   at::Tensor last_all_gather_output;
   DeviceEvent last_all_gather_done;
+  // The streams of a group's all-gather copy-in and collective (FSDP2's
+  // get_all_gather_streams): the all-gather streams for the implicit
+  // prefetch in forward and backward, so that the collective overlaps
+  // compute; the caller's current stream for an explicit unshard
+  // (`async_op`) and outside forward and backward. Unset on CPU.
+  struct AllGatherStreams {
+    std::optional<c10::Stream> copy_in;
+    std::optional<c10::Stream> all_gather;
+  };
+  AllGatherStreams all_gather_streams(bool async_op, TrainingState training_state) const;
   // Makes the all-gather streams wait for the last forward copy-out and
   // frees its all-gather output. No-op when none is held.
   void release_all_gather_state();
@@ -103,24 +114,6 @@ struct FSDPCommContext {
 
  private:
   int max_input_buffers_ = 0;  // 0: to be computed
-};
-
-// An issued all-gather.
-struct AllGatherResult {
-  at::Tensor output;  // world * sum(padded_shard_numel)
-  collectives::Work work;
-  DeviceEvent copy_in_done;
-  // Where the output (and a separate input) were allocated: the stream the
-  // caching allocator gives their blocks back to.
-  std::optional<c10::Stream> copy_in_stream;
-  std::optional<c10::Stream> all_gather_stream;
-  bool async_op = false;
-  // The input is a buffer of its own, made on the copy-in stream (Gloo).
-  bool separate_input = false;
-  // A custom all-gather's input, kept until the wait: the custom collective
-  // may read it on its stream after the call (Int8AllGather quantizes it on
-  // the all-gather stream), where no c10d work holds it.
-  at::Tensor custom_input;
 };
 
 // A reduce-scatter issued in post-backward, completed later (see
@@ -172,10 +165,6 @@ struct ReduceOps {
 // `replicate_size` is 1 without HSDP.
 ReduceOps gradient_reduce_ops(int64_t shard_size, int64_t replicate_size, c10::ScalarType reduce_dtype,
                               std::optional<double> divide_factor, bool force_sum);
-// What a reduce-scatter with `op` really runs on `backend` at `world` ranks,
-// for the debug log: Gloo computes AVG and PREMUL_SUM as SUM plus a local
-// scaling.
-std::string describe_reduce(const collectives::ReduceOp& op, collectives::BackendKind backend, int64_t world);
 
 // [Note: world size 1 fast path] A group whose shard group has one rank
 // (FSDP at world size 1, HSDP with shard size 1), whose parameters all have
@@ -287,24 +276,27 @@ class FSDPParamGroup {
   void backward_prefetch();
   void register_post_backward(TensorRefs& inputs);
   ReduceOps reduce_ops() const;
+  // Post-backward: the unsharded gradients to reduce, taken off the
+  // parameters (see post_backward), with their parameters.
+  struct GradsToReduce {
+    std::vector<FSDPParam*> params;
+    std::vector<at::Tensor> grads;
+  };
+  GradsToReduce take_grads_to_reduce(bool reduce_unused, bool unsharded);
   // Fast path: the one-rank reduce-scatter of `grads` done in place.
   void reduce_in_place(std::vector<FSDPParam*>& params, std::vector<at::Tensor>& grads, const ReduceOps& ops);
 
-  // Custom collectives: the all-gather output (or reduce-scatter buffer)
-  // from the custom allocate when there is one, checked; the collective
-  // itself, with an error from a custom one rethrown naming the module.
-  at::Tensor allocate_all_gather_output(int64_t numel, const at::TensorOptions& options) const;
-  collectives::Work issue_all_gather(const at::Tensor& output, const at::Tensor& input,
-                                     collectives::Communicator& comm) const;
-  at::Tensor allocate_reduce_scatter_buffer(int64_t numel, const at::TensorOptions& options) const;
-  collectives::Work issue_reduce_scatter(const at::Tensor& output, const at::Tensor& input,
-                                         const collectives::ReduceOp& op) const;
   // Recomputes fast_path_ from fast_path_eligible_ and the custom
   // collectives, switching the parameters' unsharded views.
   void update_fast_path();
-  // Shared: one custom collective object may serve several modules.
-  std::shared_ptr<AllGather> custom_all_gather_;
-  std::shared_ptr<ReduceScatter> custom_reduce_scatter_;
+  // The all-gather and reduce-scatter this group issues (FSDP2's
+  // _all_gather_comm / _reduce_scatter_comm): the communicator's own
+  // (DefaultAllGather, DefaultReduceScatter) or the user's, checked and
+  // named (UserAllGather, UserReduceScatter; fsdp_collectives.h).
+  std::unique_ptr<AllGather> all_gather_comm_ = std::make_unique<DefaultAllGather>();
+  std::unique_ptr<ReduceScatter> reduce_scatter_comm_ = std::make_unique<DefaultReduceScatter>();
+  bool custom_all_gather_ = false;
+  bool custom_reduce_scatter_ = false;
   bool fast_path_eligible_ = false;  // see [Note: world size 1 fast path]
 
   std::vector<std::unique_ptr<FSDPParam>> params_;
@@ -320,12 +312,10 @@ class FSDPParamGroup {
   bool offload_to_cpu_ = false;
   // Offload: after the last host-to-device copy-in of the shards.
   DeviceEvent offload_copy_in_done_;
-  std::vector<int64_t> padded_numels_;
-  int64_t padded_total_ = 0;
+  ShardLayout layout_;
   std::string module_fqn_;
   PhaseLabels phase_labels_;
   bool fast_path_ = false;  // see [Note: world size 1 fast path]
-  bool chunk_cat_ = false;  // some parameter's chunk_cat() (see [Note: shard dim])
   FSDPCommContext* comm_ctx_ = nullptr;
   GroupSettings settings_;
   TrainingState training_state_ = TrainingState::kIdle;

@@ -35,6 +35,8 @@
 #include <gtest/gtest.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include "fsdp_testing/test_helpers.h"
+
 extern char** environ;
 
 namespace fsdp::testing {
@@ -126,18 +128,6 @@ std::string read_file(const std::string& path) {
 std::string tail(const std::string& text, size_t bytes) {
   if (text.size() <= bytes) return text;
   return "[... " + std::to_string(text.size() - bytes) + " bytes omitted ...]\n" + text.substr(text.size() - bytes);
-}
-
-std::string exception_text(const std::exception_ptr& error) {
-  try {
-    std::rethrow_exception(error);
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  } catch (const std::exception& e) {
-    return e.what();
-  } catch (...) {
-    return "an exception of unknown type";
-  }
 }
 
 // ---- reading a rank's output -------------------------------------------------

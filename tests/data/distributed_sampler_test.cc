@@ -12,7 +12,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
-#include <functional>
 #include <limits>
 #include <set>
 #include <sstream>
@@ -21,12 +20,15 @@
 
 #include <c10/util/Exception.h>
 
+#include "fsdp_testing/test_helpers.h"
+
 namespace {
 
 using fsdp::data::BatchSlice;
 using fsdp::data::DistributedSampler;
 using fsdp::data::DistributedSamplerOptions;
 using fsdp::data::split_global_batch;
+using fsdp::testing::error_of;
 
 struct Config {
   int64_t size, replicas, rank;
@@ -176,15 +178,6 @@ TEST(DistributedSampler, FewerSamplesThanRanksIsPaddedWithoutDropLast) {
   for (int64_t rank = 0; rank < 8; ++rank) {
     EXPECT_EQ(DistributedSampler(3, 8, rank, options).indices(), (std::vector<int64_t>{rank % 3}));
   }
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "(no error)";
 }
 
 TEST(DistributedSampler, ARankThatWouldGetNothingIsAClearError) {

@@ -19,12 +19,14 @@
 #include "device_mesh/device_mesh.h"
 #include "device_mesh/dtensor.h"
 #include "device_mesh/placement.h"
+#include "fsdp_testing/test_helpers.h"
 
 namespace fsdp {
 namespace {
 
 using collectives::Communicator;
 using collectives::World;
+using fsdp::testing::error_of;
 using ::testing::HasSubstr;
 
 // An engine that is never asked to communicate.
@@ -89,16 +91,6 @@ DeviceMesh inert_mesh(const std::shared_ptr<World>& world, const std::vector<int
     groups.push_back(inert_communicator(static_cast<int>(coord[d]), line));
   }
   return DeviceMesh::from_communicators(world, layout, groups, std::move(names));
-}
-
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "<no error>";
 }
 
 class MeshChecks : public ::testing::Test {

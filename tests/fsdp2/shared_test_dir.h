@@ -6,11 +6,11 @@
 
 #include <stdlib.h>
 
-#include <filesystem>
+#include <optional>
 #include <string>
-#include <system_error>
 
 #include "fsdp_testing/distributed_test.h"
+#include "fsdp_testing/test_helpers.h"
 
 namespace fsdp::test {
 
@@ -24,24 +24,16 @@ class SharedTestDir {
       path_ = p != nullptr ? p : "";
       return;
     }
-    std::string pattern = (std::filesystem::temp_directory_path() / "fsdp2cpp-shared-dir-XXXXXX").string();
-    if (::mkdtemp(pattern.data()) != nullptr) path_ = pattern;
+    owned_.emplace("fsdp2cpp-shared-dir");
+    path_ = owned_->path();
     ::setenv(variable, path_.c_str(), 1);
-    owner_ = true;
   }
-  ~SharedTestDir() {
-    if (!owner_ || path_.empty()) return;
-    std::error_code ignored;
-    std::filesystem::remove_all(path_, ignored);
-  }
-  SharedTestDir(const SharedTestDir&) = delete;
-  SharedTestDir& operator=(const SharedTestDir&) = delete;
 
   const std::string& path() const { return path_; }
 
  private:
+  std::optional<testing::ScratchDir> owned_;  // the parent's: removed with the object
   std::string path_;
-  bool owner_ = false;
 };
 
 }  // namespace fsdp::test

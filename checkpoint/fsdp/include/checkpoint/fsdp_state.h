@@ -16,10 +16,10 @@
 // and OptimizerState's JSON member "param_groups" (PyTorch's param_groups
 // with FQNs), stored in the manifest's extra as the trainer always has.
 //
-// Header-only, so that the fsdp2cpp::checkpoint library itself knows no
-// FSDP (as torch.distributed.checkpoint's storage layer does not): a program
-// that includes this header links fsdp2cpp::fsdp2 and fsdp2cpp::checkpoint,
-// as every program that checkpoints a sharded model already does.
+// Library: fsdp2cpp::checkpoint_fsdp (header-only; it brings
+// fsdp2cpp::checkpoint and fsdp2cpp::fsdp2). It is not part of
+// fsdp2cpp::checkpoint, which knows no FSDP (as torch.distributed.checkpoint's
+// storage layer does not).
 #pragma once
 
 #include <utility>
