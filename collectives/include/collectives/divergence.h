@@ -46,12 +46,15 @@
 // DivergenceOptions::timeout after its wait is diagnosed the same way: the
 // diagnosis printed on stderr, then the exit of (3.).
 //
-// A collective that the engine fails (Gloo aborts when ranks exchange
-// buffers of different sizes: "op.preamble.length <= op.nbytes") makes the
-// waiting rank gather the logs too; when they show that the ranks issued
-// different collectives (a reduce-scatter of one group with different
-// sizes, say), the error names both, with the likely cause, instead of the
-// engine's words alone, and the process ends as in (3.).
+// A collective that the engine fails makes the waiting rank gather the logs
+// too; when they show that the ranks issued different collectives (a
+// reduce-scatter of one group with different sizes, say), the error names
+// both, with the likely cause, instead of the engine's words alone, and the
+// process ends as in (3.). Gloo ends the process that receives a message
+// larger than the buffer posted for it from its own I/O thread
+// ("op.preamble.length <= op.nbytes"): a terminate handler, installed with
+// the first World that watches, prints the same diagnosis before the
+// process ends.
 #pragma once
 
 #include <chrono>
