@@ -160,7 +160,10 @@ ChunkExchange exchange_chunks(c10d::Backend& backend, int size, const at::Tensor
 class ModelledWork final : public c10d::Work {
  public:
   ModelledWork(c10::intrusive_ptr<c10d::Work> engine, std::shared_ptr<c10::Event> end, bool nccl)
-      : c10d::Work(/*rank=*/-1, engine->retrieveOpType()), engine_(std::move(engine)), end_(std::move(end)), nccl_(nccl) {}
+      : c10d::Work(/*rank=*/-1, engine->retrieveOpType()),
+        engine_(std::move(engine)),
+        end_(std::move(end)),
+        nccl_(nccl) {}
 
   bool isCompleted() override { return engine_->isCompleted(); }
   bool isSuccess() const override { return engine_->isSuccess(); }
@@ -185,9 +188,7 @@ class ModelledCollective {
   ModelledCollective(const Communicator& comm, const std::vector<at::Tensor>& reads,
                      const std::vector<at::Tensor>& writes, const char* op,
                      std::shared_ptr<detail::DivergenceMonitor> monitor, int64_t record)
-      : monitor_(std::move(monitor)),
-        record_(record),
-        stream_ordered_(comm.backend_kind() == BackendKind::kNccl) {
+      : monitor_(std::move(monitor)), record_(record), stream_ordered_(comm.backend_kind() == BackendKind::kNccl) {
     if (!stream_check::active()) return;
     stream_ = stream_check::collective_stream(&comm, "collective (" + comm.name() + ")");
     end_ = std::make_shared<c10::Event>(c10::kCPU);
@@ -472,14 +473,16 @@ Work Communicator::reduce_scatter_tensor(const at::Tensor& output, const at::Ten
   ModelledCollective modelled(*this, {input}, {output}, kOp, monitor_, record);
   if (reduces_scatter_by_all_to_all(backend_kind_, device_type_, size())) {
     ChunkExchange exchange = exchange_chunks(*backend_, size(), output, input, op, description);
-    return modelled.finish(Work(modelled.engine_work(std::move(exchange.work)), std::move(description), std::move(exchange.reduce)));
+    return modelled.finish(
+        Work(modelled.engine_work(std::move(exchange.work)), std::move(description), std::move(exchange.reduce)));
   }
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = to_c10d(op, native);
   at::Tensor out = output;
   at::Tensor in = input;
   auto work = issue(backend_kind_, description, [&] { return backend_->_reduce_scatter_base(out, in, opts); });
-  return modelled.finish(Work(modelled.engine_work(std::move(work)), std::move(description), finish_step(op, native, size(), {output})));
+  return modelled.finish(
+      Work(modelled.engine_work(std::move(work)), std::move(description), finish_step(op, native, size(), {output})));
 }
 
 Work Communicator::all_reduce(const at::Tensor& tensor, ReduceOp op) {
@@ -494,7 +497,8 @@ Work Communicator::all_reduce(const at::Tensor& tensor, ReduceOp op) {
   opts.reduceOp = to_c10d(op, native);
   std::vector<at::Tensor> tensors{tensor};
   auto work = issue(backend_kind_, description, [&] { return backend_->allreduce(tensors, opts); });
-  return modelled.finish(Work(modelled.engine_work(std::move(work)), std::move(description), finish_step(op, native, size(), {tensor})));
+  return modelled.finish(
+      Work(modelled.engine_work(std::move(work)), std::move(description), finish_step(op, native, size(), {tensor})));
 }
 
 Work Communicator::broadcast(const at::Tensor& tensor, int root) {
@@ -571,7 +575,8 @@ Work Communicator::all_gather_into_tensor_coalesced(const std::vector<at::Tensor
   for (size_t i = 0; i < ins.size(); ++i) {
     works.push_back(issue(backend_kind_, description, [&] { return backend_->_allgather_base(outs[i], ins[i]); }));
   }
-  return modelled.finish(Work(modelled.engine_work(c10::make_intrusive<detail::MultiWork>(std::move(works))), std::move(description)));
+  return modelled.finish(
+      Work(modelled.engine_work(c10::make_intrusive<detail::MultiWork>(std::move(works))), std::move(description)));
 }
 
 Work Communicator::reduce_scatter_tensor_coalesced(const std::vector<at::Tensor>& outputs,
@@ -605,8 +610,8 @@ Work Communicator::reduce_scatter_tensor_coalesced(const std::vector<at::Tensor>
       works.push_back(std::move(exchange.work));
       reduces.push_back(std::move(exchange.reduce));
     }
-    return modelled.finish(Work(modelled.engine_work(c10::make_intrusive<detail::MultiWork>(std::move(works))), std::move(description),
-                                [reduces = std::move(reduces)] {
+    return modelled.finish(Work(modelled.engine_work(c10::make_intrusive<detail::MultiWork>(std::move(works))),
+                                std::move(description), [reduces = std::move(reduces)] {
                                   for (const auto& reduce : reduces) reduce();
                                 }));
   }
@@ -616,8 +621,8 @@ Work Communicator::reduce_scatter_tensor_coalesced(const std::vector<at::Tensor>
     works.push_back(
         issue(backend_kind_, description, [&] { return backend_->_reduce_scatter_base(outs[i], ins[i], opts); }));
   }
-  return modelled.finish(
-      Work(modelled.engine_work(c10::make_intrusive<detail::MultiWork>(std::move(works))), std::move(description), std::move(finish)));
+  return modelled.finish(Work(modelled.engine_work(c10::make_intrusive<detail::MultiWork>(std::move(works))),
+                              std::move(description), std::move(finish)));
 }
 
 }  // namespace fsdp::collectives

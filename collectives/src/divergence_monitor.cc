@@ -4,12 +4,12 @@
 
 #include <algorithm>
 #include <atomic>
-#include <exception>
-#include <mutex>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <fstream>
+#include <mutex>
 #include <optional>
 #include <thread>
 #include <utility>

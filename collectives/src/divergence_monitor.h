@@ -52,8 +52,8 @@ class DivergenceMonitor {
   // Called by a wait whose collective the engine failed (a peer's error, or
   // Gloo's abort on buffers of different sizes): gathers the logs as
   // diagnose() does and, only when they show ranks that issued different
-  // collectives (not ranks that issued fewer: an engine timeout), settles and returns that diagnosis as diagnose() would;
-  // otherwise nullopt, and nothing changes (the engine's error stands).
+  // collectives (not ranks that issued fewer: an engine timeout), settles and returns that diagnosis as diagnose()
+  // would; otherwise nullopt, and nothing changes (the engine's error stands).
   std::optional<std::string> diagnose_failure(double waited_s);
   // Called from std::terminate when an exception escaped a thread (Gloo's
   // I/O thread on mismatched sizes, [Note: an engine that aborts the

@@ -167,8 +167,8 @@ void Model::access(const void* ptr, int64_t begin, int64_t end, bool write, int 
   if (b.alloc_stream >= 0 && b.alloc_stream != stream && b.alloc_ordered_on.insert(stream).second && !reported) {
     const Clock& c = clock_of(stream);
     if (static_cast<size_t>(b.alloc_stream) >= c.size() || c[b.alloc_stream] < b.alloc_epoch) {
-      const Access allocation{b.alloc_stream, b.alloc_epoch, 0, static_cast<int64_t>(b.nbytes), true, b.alloc_phase,
-                              b.alloc_op};
+      const Access allocation{b.alloc_stream, b.alloc_epoch, 0,         static_cast<int64_t>(b.nbytes),
+                              true,           b.alloc_phase, b.alloc_op};
       report(Report::Kind::kUsedBeforeAllocationOrdered, b, allocation, stream, phase, op);
     }
   }
@@ -208,9 +208,10 @@ void Model::report(Report::Kind kind, const Buffer& b, const Access& first, int 
                   " allocated on the " + r.first_stream + " stream (" + r.first_phase + "), but the " +
                   r.second_stream + " stream is not ordered after the " + r.first_stream +
                   " stream's position at the allocation: the caching allocator may have handed out a block that "
-                  "work queued on " + r.first_stream + " for its previous occupant still uses. " + edge +
-                  " (an event recorded on " + r.first_stream + " after the allocation, waited for by " +
-                  r.second_stream + "), or allocate the buffer on the " + r.second_stream + " stream.";
+                  "work queued on " +
+                  r.first_stream + " for its previous occupant still uses. " + edge + " (an event recorded on " +
+                  r.first_stream + " after the allocation, waited for by " + r.second_stream +
+                  "), or allocate the buffer on the " + r.second_stream + " stream.";
       break;
     case Report::Kind::kFreedInUse:
       r.message = "stream-order race (" + to_string(kind) + "): " + r.buffer + ", allocated on the " + r.second_stream +

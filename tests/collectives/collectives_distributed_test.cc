@@ -251,10 +251,10 @@ TEST(StrictTest, ASubgroupNamesGlobalRanksAndBothSizes) {
       group->all_reduce(t, ReduceOp::sum()).wait();
       ADD_FAILURE() << "all_reduce of different sizes passed strict mode";
     } catch (const c10::Error& e) {
-      const std::string expected = c10::str(
-          "strict collectives: the members of gloo[2,0]#0 issue different collectives as #1: rank ", ctx.rank(),
-          " issues all_reduce(SUM, Float, ", mine, " elements); rank ", 2 - ctx.rank(), " issues all_reduce(SUM, Float, ",
-          theirs, " elements)");
+      const std::string expected =
+          c10::str("strict collectives: the members of gloo[2,0]#0 issue different collectives as #1: rank ",
+                   ctx.rank(), " issues all_reduce(SUM, Float, ", mine, " elements); rank ", 2 - ctx.rank(),
+                   " issues all_reduce(SUM, Float, ", theirs, " elements)");
       EXPECT_THAT(e.what_without_backtrace(), HasSubstr(expected));
     }
   });

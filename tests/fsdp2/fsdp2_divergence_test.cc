@@ -273,7 +273,8 @@ TEST(Divergence, DifferentFullyShardGroups) {
 // the diagnosis that names both sizes and the unused-parameter hint, in the
 // default mode and in strict mode (where the check names them first).
 struct ExpertsImpl : torch::nn::Module {
-  ExpertsImpl() : e0(register_module("e0", torch::nn::Linear(8, 8))), e1(register_module("e1", torch::nn::Linear(8, 8))) {}
+  ExpertsImpl()
+      : e0(register_module("e0", torch::nn::Linear(8, 8))), e1(register_module("e1", torch::nn::Linear(8, 8))) {}
   at::Tensor forward(const at::Tensor& x) { return use_e1 ? e0(x) + e1(x) : e0(x); }
   torch::nn::Linear e0, e1;
   bool use_e1 = true;
@@ -320,14 +321,17 @@ TEST(Divergence, ReduceScattersThatDifferOnlyInSizeNameBothSizes) {
     for (const RankOutcome& o : outcomes) {
       // Gloo aborts the rank that received the larger message (SIGABRT).
       EXPECT_TRUE((o.exited && o.exit_code != 0) || o.signal == SIGABRT)
-          << "strict " << strict << ": " << o.describe() << "\n" << o.output;
+          << "strict " << strict << ": " << o.describe() << "\n"
+          << o.output;
       EXPECT_FALSE(o.timed_out) << o.describe();
       EXPECT_LT(o.seconds, 120.0) << o.describe();
       // Padded shards at 2 ranks: 36 elements per expert per rank.
       EXPECT_THAT(o.output, HasSubstr("Float, 144 elements) for FSDP::reduce_scatter (experts)"))
-          << "strict " << strict << ":\n" << o.output;
+          << "strict " << strict << ":\n"
+          << o.output;
       EXPECT_THAT(o.output, HasSubstr("Float, 72 elements) for FSDP::reduce_scatter (experts)"))
-          << "strict " << strict << ":\n" << o.output;
+          << "strict " << strict << ":\n"
+          << o.output;
       if (std::string(strict) == "0") {
         EXPECT_THAT(o.output, HasSubstr("set_reduce_scatter_unused_params(true)")) << o.output;
       } else {

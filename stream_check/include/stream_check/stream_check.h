@@ -77,10 +77,10 @@ namespace fsdp::stream_check {
 // One race the model found.
 struct Report {
   enum class Kind {
-    kReadAfterWrite,   // a read not ordered after the last write
-    kWriteAfterRead,   // a write not ordered after an earlier read
-    kWriteAfterWrite,  // a write not ordered after an earlier write
-    kFreedInUse,       // freed while another stream's access may still run
+    kReadAfterWrite,               // a read not ordered after the last write
+    kWriteAfterRead,               // a write not ordered after an earlier read
+    kWriteAfterWrite,              // a write not ordered after an earlier write
+    kFreedInUse,                   // freed while another stream's access may still run
     kUsedBeforeAllocationOrdered,  // accessed on a stream not ordered after the allocating one
   };
   Kind kind;

@@ -114,8 +114,8 @@ TEST_P(HostSyncs, SteadyTrainingStepsHaveNone) {
       optim->zero_grad();
       for (int micro = 0; micro < c.micro_batches; ++micro) {
         s.root->set_requires_gradient_sync(micro + 1 == c.micro_batches);
-        const Batch local =
-            make_batch(ModelKind::kTransformer, step * c.micro_batches + micro, kRows).slice(ctx.rank(), ctx.world_size());
+        const Batch local = make_batch(ModelKind::kTransformer, step * c.micro_batches + micro, kRows)
+                                .slice(ctx.rank(), ctx.world_size());
         call_module(*s.model, local.x, local.y).backward();
       }
       optim->step();
@@ -126,21 +126,26 @@ TEST_P(HostSyncs, SteadyTrainingStepsHaveNone) {
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Configurations, HostSyncs,
-    ::testing::Values(HostSyncCase{"ws1", 1, {}, {}}, HostSyncCase{"ws2", 2, {}, {}}, HostSyncCase{"ws3", 3, {}, {}},
-                      HostSyncCase{"ws4", 4, {}, {}},
-                      HostSyncCase{"ws3_no_reshard_mixed_precision", 3, {},
-                                   [](FullyShardOptions& o) {
-                                     o.reshard_after_forward = false;
-                                     o.mp_policy.param_dtype = at::kDouble;
-                                     o.mp_policy.reduce_dtype = at::kFloat;
-                                   }},
-                      HostSyncCase{"ws4_reshard_to_two", 4, {},
-                                   [](FullyShardOptions& o) { o.reshard_after_forward = ReshardAfterForward(2); }},
-                      HostSyncCase{"hsdp2x2", 4, {2, 2}, {}},
-                      HostSyncCase{"ws2_accumulation_without_sync", 2, {}, {}, 2}),
-    [](const auto& info) { return std::string(info.param.name); });
+INSTANTIATE_TEST_SUITE_P(Configurations, HostSyncs,
+                         ::testing::Values(HostSyncCase{"ws1", 1, {}, {}}, HostSyncCase{"ws2", 2, {}, {}},
+                                           HostSyncCase{"ws3", 3, {}, {}}, HostSyncCase{"ws4", 4, {}, {}},
+                                           HostSyncCase{"ws3_no_reshard_mixed_precision",
+                                                        3,
+                                                        {},
+                                                        [](FullyShardOptions& o) {
+                                                          o.reshard_after_forward = false;
+                                                          o.mp_policy.param_dtype = at::kDouble;
+                                                          o.mp_policy.reduce_dtype = at::kFloat;
+                                                        }},
+                                           HostSyncCase{"ws4_reshard_to_two",
+                                                        4,
+                                                        {},
+                                                        [](FullyShardOptions& o) {
+                                                          o.reshard_after_forward = ReshardAfterForward(2);
+                                                        }},
+                                           HostSyncCase{"hsdp2x2", 4, {2, 2}, {}},
+                                           HostSyncCase{"ws2_accumulation_without_sync", 2, {}, {}, 2}),
+                         [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace
 }  // namespace fsdp::test
