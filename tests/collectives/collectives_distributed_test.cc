@@ -188,7 +188,14 @@ TEST(RendezvousTest, RanksThatOutliveTheStoresHostExitQuietly) {
     setenv("LOCAL_WORLD_SIZE", "4", 1);
     auto world = World::from_env();
     world->new_group(world->all_ranks(), c10::kCPU)->barrier().wait();
-    if (ctx.rank() != 0) std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    if (ctx.rank() == 0) {
+      store_set(store, "exit_test/host_leaves", "1");
+    } else {
+      // Ordered by the harness's store, not by timing: rank 0 has begun to
+      // leave, and these watchdogs poll its store for several rounds more.
+      store_get(store, "exit_test/host_leaves");
+      std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    }
     world.reset();
     std::cout << "LEFT" << std::endl;
   });

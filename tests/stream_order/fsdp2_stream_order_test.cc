@@ -16,17 +16,12 @@
 
 #include <cstdio>
 
-#include "fsdp2_test_util.h"  // tests/fsdp2
-#include "stream_check/stream_check.h"
+#include "stream_order_util.h"
 
 namespace fsdp::test {
 namespace {
 
-constexpr int64_t kRows = 12;
-
-void expect_no_races(const stream_check::Checker& checker) {
-  for (const stream_check::Report& r : checker.reports()) ADD_FAILURE() << r.message;
-}
+constexpr int64_t kRows = kStreamOrderRows;
 
 c10::Stream current_stream() {
   const c10::impl::VirtualGuardImpl impl(c10::kCPU);
@@ -38,21 +33,6 @@ void wait_stream(const c10::Stream& waiter, const c10::Stream& stream) {
   c10::Event e(c10::kCPU);
   e.record(stream);
   e.block(waiter);
-}
-
-struct Sharded {
-  std::shared_ptr<Transformer> model;
-  std::optional<FSDPModule> root;
-};
-
-Sharded shard_transformer(testing::RankContext& ctx, const FullyShardOptions& extra = {}) {
-  Sharded s;
-  s.model = std::static_pointer_cast<Transformer>(make_model(ModelKind::kTransformer));
-  FullyShardOptions o = extra;
-  o.mesh = ctx.mesh();
-  for (auto& b : s.model->blocks()) fully_shard(b, o);
-  s.root = fully_shard(s.model, o);
-  return s;
 }
 
 // Steps of AdamW on the sharded model and on the reference, the losses and

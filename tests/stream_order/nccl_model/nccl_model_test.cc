@@ -12,34 +12,12 @@
 #include <string>
 #include <vector>
 
-#include "fsdp2_test_util.h"  // tests/fsdp2
-#include "stream_check/stream_check.h"
+#include "stream_order_util.h"  // tests/stream_order
 
 namespace fsdp::test {
 namespace {
 
-constexpr int64_t kRows = 12;
-
-void expect_no_races(const stream_check::Checker& checker) {
-  for (const stream_check::Report& r : checker.reports()) ADD_FAILURE() << r.message;
-}
-
-struct Sharded {
-  std::shared_ptr<Transformer> model;
-  std::optional<FSDPModule> root;
-};
-
-Sharded shard_transformer(testing::RankContext& ctx, const FullyShardOptions& extra) {
-  Sharded s;
-  s.model = std::static_pointer_cast<Transformer>(make_model(ModelKind::kTransformer));
-  FullyShardOptions o = extra;
-  o.mesh = ctx.mesh();
-  for (auto& b : s.model->blocks()) fully_shard(b, o);
-  s.root = fully_shard(s.model, o);
-  return s;
-}
-
-// ---- NCCL's semantics under the checker (docs/gpu.md, "The NCCL model") ----
+constexpr int64_t kRows = kStreamOrderRows;
 
 stream_check::Options nccl_model() {
   stream_check::Options options;
