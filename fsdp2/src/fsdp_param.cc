@@ -68,7 +68,8 @@ FSDPParam::FSDPParam(at::Tensor param, std::string fqn, int64_t shard_rank, int6
       world_size_(shard_world_size),
       shard_dim_(shard_dim),
       offload_to_cpu_(offload.offload_to_cpu),
-      pin_memory_(offload.offload_to_cpu && offload.pin_memory) {
+      pin_memory_(offload.offload_to_cpu && offload.pin_memory),
+      host_(pin_memory_, device.value_or(param_.device())) {
   TORCH_INTERNAL_ASSERT(shard_dim_ >= 0 && shard_dim_ < std::max<int64_t>(param_.dim(), 1));
   chunk_cat_ = shard_dim_ != 0 && world_size_ > 1;
   unsharded_shape_ = param_.sizes().vec();
@@ -86,11 +87,11 @@ FSDPParam::FSDPParam(at::Tensor param, std::string fqn, int64_t shard_rank, int6
 
   const auto options = param_.options().requires_grad(false);
   // See [Note: CPU offload].
-  const auto shard_options = offload_to_cpu_ ? options.device(c10::kCPU).pinned_memory(pin_memory_) : options;
   const auto unsharded_options = offload_to_cpu_ && device ? options.device(*device) : options;
   c10::NoGradGuard no_grad;
   const at::Tensor full = param_.dim() == 0 ? param_.detach().reshape({1}) : param_.detach();
-  padded_shard_ = at::zeros({padded_shard_numel_}, shard_options);
+  padded_shard_ =
+      offload_to_cpu_ ? host_.empty({padded_shard_numel_}, options).zero_() : at::zeros({padded_shard_numel_}, options);
   sharded_view_ = padded_shard_.narrow(0, 0, local_rows * row_numel).view(sharded_shape_);
   sharded_view_.copy_(full.narrow(shard_dim_, offset, local_rows));
 
@@ -338,7 +339,7 @@ void FSDPParam::accumulate_sharded_grad(const at::Tensor& reduced_padded_chunk) 
   const int64_t local_numel = c10::multiply_integers(sharded_shape_);
   TORCH_INTERNAL_ASSERT(reduced_padded_chunk.is_contiguous() && reduced_padded_chunk.numel() >= local_numel);
   c10::NoGradGuard no_grad;
-  if (offload_to_cpu_ && !reduced_padded_chunk.is_cpu()) {
+  if (offload_to_cpu_ && !host_.holds(reduced_padded_chunk)) {
     accumulate_offloaded_grad(reduced_padded_chunk.view({-1}).narrow(0, 0, local_numel).view(sharded_shape_));
     return;
   }
@@ -369,12 +370,13 @@ void FSDPParam::accumulate_offloaded_grad(const at::Tensor& reduced) {
   at::Tensor& target = state_ == ShardedState::kSharded ? param_.mutable_grad() : sharded_grad_;
   if (target.defined()) {
     wait_for_grad_offload();  // the earlier copy into `target`
-    target.add_(grad.to(c10::kCPU));
+    target.add_(host_.copy_of(grad, /*non_blocking=*/false));
     return;
   }
-  at::Tensor host = at::empty(sharded_shape_, grad.options().device(c10::kCPU).pinned_memory(pin_memory_));
-  host.copy_(grad, /*non_blocking=*/pin_memory_);
-  if (pin_memory_) {
+  at::Tensor host = host_.copy_of(grad, /*non_blocking=*/true);
+  if (stream_check::active()) stream_check::name_buffer(host, "the host gradient of " + fqn_);
+  // An empty shard (more ranks than rows) copied nothing to wait for.
+  if (pin_memory_ && grad.numel() > 0) {
     const auto* impl = c10::impl::getDeviceGuardImpl(grad.device().type());
     grad_offload_done_ = DeviceEvent::record(impl->getStream(grad.device()));
   }

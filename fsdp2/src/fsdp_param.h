@@ -79,6 +79,7 @@
 #include <torch/csrc/autograd/function_hook.h>
 
 #include "fsdp2/fully_shard.h"
+#include "host_memory.h"
 #include "streams.h"
 
 namespace fsdp::detail {
@@ -262,6 +263,7 @@ class FSDPParam {
   ShardedState state_ = ShardedState::kSharded;
   bool offload_to_cpu_ = false;
   bool pin_memory_ = false;
+  HostMemory host_;                // offload's host memory (host_memory.h)
   DeviceEvent grad_offload_done_;  // after the last non-blocking gradient copy to the host
 };
 

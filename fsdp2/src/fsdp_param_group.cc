@@ -174,13 +174,12 @@ FSDPParamGroup::FSDPParamGroup(std::vector<at::Tensor> params, std::vector<std::
     layout_.padded_total += layout_.padded_numels.back();
     layout_.chunk_cat = layout_.chunk_cat || params_.back()->chunk_cat();
   }
-  // See [Note: world size 1 fast path]. The shard's device type rules out
-  // shards kept on the host for a device computation.
-  fast_path_eligible_ = shard_comm_->size() == 1 && !post_forward_comm_ && reduce_dtype_ == param_dtype_;
-  for (const auto& p : params_) {
-    fast_path_eligible_ =
-        fast_path_eligible_ && p->orig_dtype() == param_dtype_ && p->padded_shard().device().type() == device_.type();
-  }
+  // See [Note: world size 1 fast path]. Shards kept on the host must be
+  // uploaded for a device computation (on the modelled device of the
+  // stream-order checker too, where host and device are both the CPU).
+  fast_path_eligible_ =
+      shard_comm_->size() == 1 && !post_forward_comm_ && reduce_dtype_ == param_dtype_ && !offload_to_cpu_;
+  for (const auto& p : params_) fast_path_eligible_ = fast_path_eligible_ && p->orig_dtype() == param_dtype_;
   update_fast_path();
 }
 

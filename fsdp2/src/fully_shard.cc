@@ -11,6 +11,7 @@
 #include "collectives/world.h"
 #include "fsdp2/module_state.h"
 #include "fsdp_state.h"
+#include "stream_check/stream_check.h"
 
 namespace fsdp {
 namespace detail {
@@ -252,7 +253,9 @@ FSDPModule shard_modules(const std::vector<std::shared_ptr<torch::nn::Module>>& 
   detail::check_mesh(*mesh, name);
   const c10::Device device = detail::mesh_device(*mesh);
   const bool offload = options.offload_policy.offload_to_cpu;
-  if (offload && device.type() == c10::kCPU) {
+  // The stream-order checker models a device on CPU, offload included
+  // ([Note: offload on the modelled device], host_memory.h).
+  if (offload && device.type() == c10::kCPU && !stream_check::active()) {
     const std::string fqn = detail::fqn_in_sharded_roots(*module);
     TORCH_CHECK(false, "fully_shard: module ", fqn.empty() ? "" : "'" + fqn + "' ", "(", name,
                 "): OffloadPolicy::offload_to_cpu needs a CUDA mesh, but the mesh ", mesh->to_string(), " is on CPU",
@@ -260,7 +263,8 @@ FSDPModule shard_modules(const std::vector<std::shared_ptr<torch::nn::Module>>& 
                              : " (FullyShardOptions::mesh is unset: the default mesh follows the "
                                "parameters' device)",
                 ", where the sharded parameters already live in host memory. Pass a CUDA mesh "
-                "(fsdp::init_device_mesh(world, c10::kCUDA, ...)) to offload, or leave offload_to_cpu false.");
+                "(fsdp::init_device_mesh(world, c10::kCUDA, ...)) to offload, or leave offload_to_cpu false (under "
+                "the stream-order checker, FSDP2CPP_STREAM_CHECK=1, offload runs on CPU to check its order).");
   }
 
   // Parameters already managed by sharded submodules stay theirs; ignored

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <utility>
 
+#include <c10/util/Exception.h>
+
 namespace fsdp::stream_check::detail {
 namespace {
 
@@ -18,7 +20,12 @@ void join(Clock& into, const Clock& from) {
 
 }  // namespace
 
-Model::Model(Options options) : options_(options) { new_stream("default (compute)"); }
+Model::Model(Options options) : options_(options) {
+  new_stream("default (compute)");
+  const int host = new_stream("host");
+  (void)host;
+  TORCH_INTERNAL_ASSERT(host == kHostStream);
+}
 
 int Model::new_stream(std::string name) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -83,7 +90,8 @@ void Model::host_sync_all(const char* what, const char* phase) {
 }
 
 bool Model::ordered(const Access& a, int stream) {
-  if (a.stream == stream) return true;
+  // The host's accesses are done when it issues later stream work.
+  if (a.stream == stream || a.stream == kHostStream) return true;
   const Clock& c = clock_of(stream);
   return static_cast<size_t>(a.stream) < c.size() && c[a.stream] >= a.epoch;
 }
@@ -100,11 +108,15 @@ std::string Model::describe(const Buffer& b) const {
          stream_name(b.alloc_stream) + " stream (" + b.alloc_phase + ")";
 }
 
-void Model::on_alloc(const void* ptr, size_t nbytes, int stream, const char* phase, const char* op) {
+void Model::on_alloc(const void* ptr, size_t nbytes, int stream, const char* phase, const char* op, bool pinned) {
   std::lock_guard<std::mutex> lock(mu_);
   Buffer& b = buffers_[ptr];
   b = Buffer();
   b.alloc_stream = stream;
+  if (stream == kHostStream) {
+    b.memory = pinned ? Memory::kPinnedHost : Memory::kPageableHost;
+    has_host_memory_.store(true, std::memory_order_relaxed);
+  }
   b.nbytes = nbytes;
   b.alloc_phase = or_default(phase, kNoPhase);
   b.alloc_op = or_default(op, kNoOp);
@@ -116,7 +128,11 @@ void Model::on_free(const void* ptr, const char* phase) {
   auto it = buffers_.find(ptr);
   if (it == buffers_.end()) return;
   const Buffer& b = it->second;
-  if (b.alloc_stream >= 0) {
+  // Host memory is not the caching allocator's: pageable memory is only ever
+  // touched by the host or by copies the host waited for, and the pinned
+  // allocator reuses a block only after the streams of its copies passed
+  // their use (CachingHostAllocator_recordEvent in every non-blocking copy).
+  if (b.alloc_stream >= 0 && b.memory == Memory::kDevice) {
     for (const Access& a : b.accesses) {
       // record_stream(R) makes the allocator record an event on R at the free
       // and reuse the block only after it: that covers whatever R's position
@@ -131,6 +147,12 @@ void Model::on_free(const void* ptr, const char* phase) {
     }
   }
   buffers_.erase(it);
+}
+
+Memory Model::memory_of(const void* ptr) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = buffers_.find(ptr);
+  return it == buffers_.end() ? Memory::kDevice : it->second.memory;
 }
 
 void Model::record_stream(const void* ptr, int stream) {
@@ -164,7 +186,8 @@ void Model::access(const void* ptr, int64_t begin, int64_t end, bool write, int 
   // the default stream and filled on a reduce-scatter stream without that
   // edge corrupts silently). Checked once per stream, after the accesses, so
   // that a missing edge to a write is reported as the race on that write.
-  if (b.alloc_stream >= 0 && b.alloc_stream != stream && b.alloc_ordered_on.insert(stream).second && !reported) {
+  if (b.alloc_stream >= 0 && b.memory == Memory::kDevice && b.alloc_stream != stream &&
+      b.alloc_ordered_on.insert(stream).second && !reported) {
     const Clock& c = clock_of(stream);
     if (static_cast<size_t>(b.alloc_stream) >= c.size() || c[b.alloc_stream] < b.alloc_epoch) {
       const Access allocation{b.alloc_stream, b.alloc_epoch, 0,         static_cast<int64_t>(b.nbytes),
@@ -201,6 +224,9 @@ void Model::report(Report::Kind kind, const Buffer& b, const Access& first, int 
   if (!seen_.insert(key).second) return;
   const std::string first_desc = r.first_op + " on the " + r.first_stream + " stream (" + r.first_phase + ")";
   const std::string edge = "Missing edge: " + r.first_stream + " -> " + r.second_stream;
+  // Only a host synchronization orders the host after a stream.
+  const std::string waited_for_by =
+      second_stream == kHostStream ? "synchronized by the host" : "waited for by " + r.second_stream;
   switch (kind) {
     case Report::Kind::kUsedBeforeAllocationOrdered:
       r.message = "stream-order race (" + to_string(kind) + "): " + r.second_op + " on the " + r.second_stream +
@@ -227,8 +253,8 @@ void Model::report(Report::Kind kind, const Buffer& b, const Access& first, int 
       r.message = "stream-order race (" + to_string(kind) + "): " + r.second_op + " on the " + r.second_stream +
                   " stream (" + r.second_phase + ") " + verb + " " + r.buffer + ", but the " + earlier + " by " +
                   first_desc + " is not ordered before it, so a GPU may run them in either order. " + edge +
-                  " (an event recorded on " + r.first_stream + " after the " + earlier + ", waited for by " +
-                  r.second_stream + " before the access).";
+                  " (an event recorded on " + r.first_stream + " after the " + earlier + ", " + waited_for_by +
+                  " before the access).";
     }
   }
   reports_.push_back(std::move(r));

@@ -5,6 +5,7 @@
 // storage's memory.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <mutex>
 #include <optional>
@@ -28,6 +29,11 @@ struct EventState {
 
 class Model {
  public:
+  // Stream 0 is the default stream; this one is the host's (never a c10
+  // stream): its accesses are ordered before all later stream work, and it is
+  // ordered after stream work only by host synchronizations.
+  static constexpr int kHostStream = 1;
+
   explicit Model(Options options);
 
   // Streams.
@@ -45,8 +51,14 @@ class Model {
   void host_sync(const Clock& clock, const char* what, const char* phase);
   void host_sync_all(const char* what, const char* phase);
 
-  // Memory. `phase` and `op` may be null.
-  void on_alloc(const void* ptr, size_t nbytes, int stream, const char* phase, const char* op);
+  // Memory. `phase` and `op` may be null. An allocation by kHostStream is
+  // host memory, pinned when `pinned`.
+  void on_alloc(const void* ptr, size_t nbytes, int stream, const char* phase, const char* op, bool pinned = false);
+  // kDevice for memory the model has not seen.
+  Memory memory_of(const void* ptr) const;
+  // Whether any host memory was made while the model lived (the op
+  // classification's fast path).
+  bool has_host_memory() const { return has_host_memory_.load(std::memory_order_relaxed); }
   void on_free(const void* ptr, const char* phase);
   void record_stream(const void* ptr, int stream);
   void name_buffer(const void* ptr, std::string name);
@@ -76,6 +88,7 @@ class Model {
   struct Buffer {
     std::string name;
     int alloc_stream = -1;  // -1: allocated where the checker did not see it
+    Memory memory = Memory::kDevice;
     size_t nbytes = 0;
     std::string alloc_phase;
     std::string alloc_op;
@@ -110,6 +123,7 @@ class Model {
   std::vector<HostSync> host_syncs_;
   std::unordered_set<std::string> seen_;
   size_t thrown_ = 0;
+  std::atomic<bool> has_host_memory_{false};
 };
 
 }  // namespace fsdp::stream_check::detail

@@ -42,6 +42,12 @@ thread_local bool t_tracked = false;
 thread_local c10::StreamId t_stream = 0;
 thread_local const char* t_phase = nullptr;
 thread_local const char* t_op = nullptr;
+// > 0 inside HostScope or an op of the host: the host's own work.
+thread_local int t_host_depth = 0;
+thread_local bool t_host_pinned = false;
+
+// Who does what the calling thread does now: the host or its current stream.
+int current_agent() { return t_host_depth > 0 ? Model::kHostStream : static_cast<int>(t_stream); }
 
 Model* tracked_model() { return t_tracked ? g_model.load(std::memory_order_acquire) : nullptr; }
 
@@ -132,7 +138,7 @@ class CheckedCpuAllocator final : public c10::Allocator {
     TORCH_INTERNAL_ASSERT(inner.get_context() == ptr && inner.get_deleter() == g_base_deleter,
                           "fsdp2cpp stream_check: the CPU allocator's memory is not its own context");
     inner.release_context();
-    if (Model* m = tracked_model()) m->on_alloc(ptr, n, static_cast<int>(t_stream), t_phase, t_op);
+    if (Model* m = tracked_model()) m->on_alloc(ptr, n, current_agent(), t_phase, t_op, t_host_pinned);
     return {ptr, ptr, &checked_free, kCpu};
   }
   c10::DeleterFnPtr raw_deleter() const override { return &checked_free; }
@@ -163,8 +169,8 @@ auto& guard_slot() { return c10::impl::device_guard_impl_registry[static_cast<si
 
 const c10::impl::DeviceGuardImplInterface* g_original_guard = nullptr;
 
-// The byte range of `t` within its storage.
-void record_tensor(Model& m, const at::Tensor& t, bool write, const char* op) {
+// The byte range of `t` within its storage, accessed by `agent`.
+void record_tensor(Model& m, const at::Tensor& t, bool write, const char* op, int agent) {
   if (!t.defined() || !t.has_storage() || t.numel() == 0) return;
   const void* base = t.storage().data();
   if (base == nullptr || t.device().type() != c10::kCPU) return;
@@ -172,7 +178,7 @@ void record_tensor(Model& m, const at::Tensor& t, bool write, const char* op) {
   for (int64_t d = 0; d < t.dim(); ++d) extent += (t.size(d) - 1) * std::abs(t.stride(d));
   const int64_t item = static_cast<int64_t>(t.element_size());
   const int64_t begin = t.storage_offset() * item;
-  m.access(base, begin, begin + extent * item, write, static_cast<int>(t_stream), t_phase, op);
+  m.access(base, begin, begin + extent * item, write, agent, t_phase, op);
 }
 
 template <typename F>
@@ -216,6 +222,84 @@ bool touches_no_data(const std::string& name) {
   return false;
 }
 
+Memory memory_of(const Model& m, const at::Tensor& t) {
+  if (!t.defined() || !t.has_storage() || t.storage().data() == nullptr) return Memory::kDevice;
+  return m.memory_of(t.storage().data());
+}
+
+// [Note: who runs an op] With host memory about (HostScope), an op whose
+// tensors are all host memory is the host's; aten::copy_ between host and
+// device memory is a transfer, run by the current stream; anything else is
+// the current stream's. A 0-dim tensor is left out when the op has larger
+// ones: a CPU scalar may join a CUDA kernel as a value, and an op's
+// wrapped-number scalars are made as device memory here.
+enum class Runner { kStream, kHost, kTransfer };
+
+struct Classified {
+  Runner runner = Runner::kStream;
+  Memory host_side = Memory::kDevice;  // kTransfer: the host side's memory
+  bool to_host = false;                // kTransfer: the destination is host memory
+  bool non_blocking = false;           // kTransfer: copy_'s non_blocking
+};
+
+Classified classify(const Model& m, const std::string& name, const c10::FunctionSchema& schema,
+                    const torch::jit::Stack& stack) {
+  Classified c;
+  if (t_host_depth > 0) {
+    c.runner = Runner::kHost;
+    return c;
+  }
+  if (!m.has_host_memory()) return c;
+  const size_t count = schema.arguments().size();
+  const size_t first = stack.size() - count;
+  struct Seen {
+    int hosts = 0, devices = 0;
+  } all, sized;
+  for (size_t i = 0; i < count; ++i) {
+    for_each_tensor(stack[first + i], [&](const at::Tensor& t) {
+      if (!t.defined()) return;
+      const bool host = memory_of(m, t) != Memory::kDevice;
+      (host ? all.hosts : all.devices) += 1;
+      if (t.dim() > 0) (host ? sized.hosts : sized.devices) += 1;
+    });
+  }
+  const Seen& counted = sized.hosts + sized.devices > 0 ? sized : all;
+  if (counted.hosts == 0) return c;
+  if (counted.devices == 0) {
+    c.runner = Runner::kHost;
+    return c;
+  }
+  if (name == "aten::copy_") {
+    const at::Tensor& dst = stack[first].toTensor();
+    const at::Tensor& src = stack[first + 1].toTensor();
+    const Memory dst_memory = memory_of(m, dst);
+    c.runner = Runner::kTransfer;
+    c.to_host = dst_memory != Memory::kDevice;
+    c.host_side = c.to_host ? dst_memory : memory_of(m, src);
+    c.non_blocking = count > 2 && stack[first + 2].isBool() && stack[first + 2].toBool();
+  }
+  return c;
+}
+
+// A non-blocking upload from pageable memory: cudaMemcpyAsync stages the
+// source through a pinned buffer before it returns, so the host reads it then,
+// and does not wait for the stream.
+bool staged_by_the_host(const Classified& c) {
+  return c.runner == Runner::kTransfer && c.non_blocking && !c.to_host && c.host_side == Memory::kPageableHost;
+}
+
+// After a transfer, as cudaMemcpyAsync and copy_ behave: non-blocking between
+// pinned and device memory, or staged from pageable memory, it leaves the host
+// free; otherwise the host waits for it (copy_ synchronizes the stream when
+// not non_blocking; a copy to pageable memory returns when it is done).
+void after_transfer(Model& m, const Classified& c) {
+  if (c.non_blocking && (c.host_side == Memory::kPinnedHost || staged_by_the_host(c))) return;
+  const char* what =
+      c.non_blocking ? "aten::copy_ device to pageable host memory (non_blocking, but synchronous)"
+                     : (c.to_host ? "aten::copy_ device to host (blocking)" : "aten::copy_ host to device (blocking)");
+  m.host_sync(m.record(static_cast<int>(t_stream)), what, t_phase);
+}
+
 void throw_if_raced(Model& m) {
   if (auto message = m.take_unthrown()) TORCH_CHECK(false, "fsdp2cpp: ", *message);
 }
@@ -226,37 +310,50 @@ void checked_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, t
   const std::string& name = schema.name();
   const bool no_data = m == nullptr || touches_no_data(name);
   const char* previous_op = t_op;
+  Classified runs;
   if (m != nullptr) {
     throw_if_raced(*m);
     t_op = name.c_str();
+    runs = classify(*m, name, schema, *stack);
   }
+  const bool on_host = runs.runner == Runner::kHost;
+  const int agent = on_host ? Model::kHostStream : static_cast<int>(t_stream);
+  const auto& args = schema.arguments();
+  const size_t first_arg = stack->size() - args.size();
   if (!no_data) {
-    const auto& args = schema.arguments();
-    const size_t first = stack->size() - args.size();
     for (size_t i = 0; i < args.size(); ++i) {
       if (aliases(args[i])) continue;  // a view of it is made; no data is read
       const bool write = writes(args[i]);
-      for_each_tensor((*stack)[first + i], [&](const at::Tensor& t) { record_tensor(*m, t, write, name.c_str()); });
+      // copy_'s source (argument 1) staged by the host is read by the host.
+      const int reader = i == 1 && staged_by_the_host(runs) ? Model::kHostStream : agent;
+      for_each_tensor((*stack)[first_arg + i],
+                      [&](const at::Tensor& t) { record_tensor(*m, t, write, name.c_str(), reader); });
     }
     throw_if_raced(*m);
   }
   const size_t returns = schema.returns().size();
+  // The host's op runs whole on the host: its parts, and the memory they
+  // allocate (host memory), are the host's too.
+  if (on_host) ++t_host_depth;
   try {
     op.redispatchBoxed(keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kModeKey), stack);
   } catch (...) {
+    if (on_host) --t_host_depth;
     t_op = previous_op;
     throw;
   }
+  if (on_host) --t_host_depth;
   t_op = previous_op;
   if (no_data) return;
   const auto& rets = schema.returns();
   const size_t first = stack->size() - returns;
   for (size_t i = 0; i < returns; ++i) {
     if (rets[i].alias_info() != nullptr) continue;
-    for_each_tensor((*stack)[first + i], [&](const at::Tensor& t) { record_tensor(*m, t, true, name.c_str()); });
+    for_each_tensor((*stack)[first + i], [&](const at::Tensor& t) { record_tensor(*m, t, true, name.c_str(), agent); });
   }
-  // Reading a value on the host waits for the stream that made it.
-  if (name == "aten::_local_scalar_dense") {
+  if (runs.runner == Runner::kTransfer) after_transfer(*m, runs);
+  // Reading a device value on the host waits for the stream that made it.
+  if (name == "aten::_local_scalar_dense" && !on_host) {
     m->host_sync(m->record(static_cast<int>(t_stream)), "aten::_local_scalar_dense (item() or another scalar read)",
                  t_phase);
   }
@@ -374,7 +471,7 @@ c10::Stream collective_stream(const void* communicator, const std::string& name)
 
 void record_access(const at::Tensor& t, bool write, const char* what) {
   if (Model* m = tracked_model()) {
-    record_tensor(*m, t, write, what);
+    record_tensor(*m, t, write, what, current_agent());
     throw_if_raced(*m);
   }
 }
@@ -385,6 +482,21 @@ void host_wait(const c10::Event& event, const char* what) {
   const auto* state = static_cast<const EventState*>(event.eventId());
   // Never recorded: complete, but the host still stopped to find that out.
   m->host_sync(state != nullptr ? state->clock : Clock(), what, t_phase);
+}
+
+Memory memory_of(const at::Tensor& t) {
+  const Model* m = g_model.load(std::memory_order_acquire);
+  return m != nullptr ? memory_of(*m, t) : Memory::kDevice;
+}
+
+HostScope::HostScope(bool pinned) : previous_pinned_(t_host_pinned) {
+  ++t_host_depth;
+  t_host_pinned = pinned;
+}
+
+HostScope::~HostScope() {
+  --t_host_depth;
+  t_host_pinned = previous_pinned_;
 }
 
 PhaseLabel::PhaseLabel(const char* label) : previous_(t_phase) { t_phase = label; }

@@ -302,6 +302,172 @@ TEST(StreamCheck, HostSynchronizationsAreCountedWithTheirPhase) {
   EXPECT_TRUE(host_syncs().empty());
 }
 
+// --- The host as an agent (docs/gpu.md, "The host as an agent") ---------------
+
+// Pinned host memory, as offload's gradient on the host: the reduce-scatter
+// stream copies a device gradient into it without blocking, and the host's
+// optimizer reads it. Only a host synchronization (the event recorded after
+// the copy) orders the host after the copy; waiting for it on a stream does
+// not.
+TEST(StreamCheckHost, HostReadOfANonBlockingCopyNeedsAHostSynchronization) {
+  Checker checker;
+  const c10::Stream side = checker.new_stream("reduce-scatter");
+  enum class Order { kNone, kStreamWait, kEventSynchronize };
+  for (Order order : {Order::kNone, Order::kStreamWait, Order::kEventSynchronize}) {
+    checker.clear_reports();
+    clear_host_syncs();
+    at::Tensor host;
+    {
+      HostScope on_host(/*pinned=*/true);
+      host = at::empty({6});
+    }
+    EXPECT_EQ(memory_of(host), Memory::kPinnedHost);
+    name_buffer(host, "the host gradient");
+    const at::Tensor device = at::full({6}, 3.0f);
+    EXPECT_EQ(memory_of(device), Memory::kDevice);
+    wait_stream(side, current_stream());
+    c10::Event copied(c10::kCPU);
+    {
+      PhaseLabel phase("FSDP::post_backward_reduce");
+      c10::StreamGuard guard(side);
+      host.copy_(device, /*non_blocking=*/true);
+      copied.record(side);
+    }
+    EXPECT_TRUE(host_syncs().empty()) << host_syncs().front().what;  // cudaMemcpyAsync from pinned memory
+    if (order == Order::kStreamWait) copied.block(current_stream());
+    if (order == Order::kEventSynchronize) copied.synchronize();
+    at::Tensor param;
+    {
+      HostScope on_host(/*pinned=*/false);
+      param = at::zeros({6});
+    }
+    {
+      PhaseLabel phase("optimizer step");
+      param.add_(host, -0.5);  // all host memory: the host's op
+    }
+    EXPECT_TRUE(param.equal(at::full({6}, -1.5f)));
+    const std::vector<Report> reports = checker.reports();
+    if (order == Order::kEventSynchronize) {
+      EXPECT_TRUE(reports.empty()) << reports.front().message;
+      continue;
+    }
+    ASSERT_EQ(reports.size(), 1u) << "order " << static_cast<int>(order);
+    const Report& r = reports.front();
+    EXPECT_EQ(r.kind, Report::Kind::kReadAfterWrite);
+    EXPECT_EQ(r.buffer, "the host gradient");
+    EXPECT_EQ(r.first_stream, "reduce-scatter");
+    EXPECT_EQ(r.first_op, "aten::copy_");
+    EXPECT_EQ(r.second_stream, "host");
+    EXPECT_EQ(r.second_phase, "optimizer step");
+    EXPECT_EQ(r.second_op, "aten::add_");
+    EXPECT_THAT(r.message, HasSubstr("Missing edge: reduce-scatter -> host"));
+    EXPECT_THAT(r.message, HasSubstr("synchronized by the host"));
+  }
+}
+
+// The other direction: a non-blocking copy from pinned memory to the device
+// reads the host buffer on its stream later; the host must not overwrite it
+// before a host synchronization says the copy ran (a write after read).
+TEST(StreamCheckHost, HostWriteBeforeAnAsynchronousUploadRanIsAWriteAfterRead) {
+  Checker checker;
+  const c10::Stream copy_in = checker.new_stream("all-gather copy-in");
+  for (bool synchronized : {false, true}) {
+    checker.clear_reports();
+    at::Tensor shard;
+    {
+      HostScope on_host(/*pinned=*/true);
+      shard = at::ones({4});  // the host fills it: its own work, ordered before any later stream work
+    }
+    name_buffer(shard, "the shard");
+    at::Tensor device = at::empty({4});
+    wait_stream(copy_in, current_stream());
+    c10::Event uploaded(c10::kCPU);
+    {
+      c10::StreamGuard guard(copy_in);
+      device.copy_(shard, /*non_blocking=*/true);
+      uploaded.record(copy_in);
+    }
+    if (synchronized) uploaded.synchronize();
+    shard.mul_(2);  // the host optimizer's write
+    const std::vector<Report> reports = checker.reports();
+    if (synchronized) {
+      EXPECT_TRUE(reports.empty()) << reports.front().message;
+      continue;
+    }
+    // Once for mul_ and once for the mul it runs as.
+    ASSERT_FALSE(reports.empty());
+    EXPECT_EQ(reports.front().second_op, "aten::mul_");
+    EXPECT_EQ(reports.front().kind, Report::Kind::kWriteAfterRead);
+    EXPECT_EQ(reports.front().first_stream, "all-gather copy-in");
+    EXPECT_EQ(reports.front().second_stream, "host");
+  }
+}
+
+// A copy between host and device that is not non-blocking to or from pinned
+// memory makes the host wait for it: counted as a host synchronization
+// (copy_ synchronizes its stream), and the host is ordered after it. The
+// host's own ops and scalar reads of host memory are no synchronization.
+TEST(StreamCheckHost, BlockingCopiesAreHostSynchronizationsAndHostOpsAreNot) {
+  Checker checker;
+  const c10::Stream side = checker.new_stream("side");
+  at::Tensor pageable;
+  {
+    HostScope on_host(/*pinned=*/false);
+    pageable = at::empty({3});
+  }
+  EXPECT_EQ(memory_of(pageable), Memory::kPageableHost);
+  const at::Tensor device = at::full({3}, 2.0f);
+  wait_stream(side, current_stream());
+  {
+    c10::StreamGuard guard(side);
+    pageable.copy_(device, /*non_blocking=*/true);  // to pageable memory: synchronous all the same
+  }
+  at::Tensor doubled = pageable * 2;                     // the host's op: ordered after the copy by its host sync
+  EXPECT_EQ(memory_of(doubled), Memory::kPageableHost);  // made by the host
+  EXPECT_EQ(doubled.sum().item<float>(), 12.0f);         // a scalar read of host memory
+  at::Tensor back = at::empty({3});
+  back.copy_(doubled);  // blocking upload
+  // A non-blocking upload from pageable memory is staged by the host, which
+  // reads the source then and goes on: no synchronization, and the host may
+  // write the source at once.
+  at::Tensor staged_back = at::empty({3});
+  wait_stream(side, current_stream());
+  {
+    c10::StreamGuard guard(side);
+    staged_back.copy_(doubled, /*non_blocking=*/true);
+  }
+  doubled.zero_();
+  EXPECT_TRUE(checker.reports().empty()) << checker.reports().front().message;
+  const std::vector<HostSync> syncs = host_syncs();
+  ASSERT_EQ(syncs.size(), 2u);
+  EXPECT_THAT(syncs[0].what, HasSubstr("device to pageable host memory"));
+  EXPECT_THAT(syncs[1].what, HasSubstr("host to device (blocking)"));
+  EXPECT_TRUE(back.equal(at::full({3}, 4.0f)));
+  EXPECT_TRUE(staged_back.equal(at::full({3}, 4.0f)));
+}
+
+// Host memory is not the caching allocator's: freeing it while a stream's
+// non-blocking copy may still read it is left to the pinned allocator, which
+// records the copy's stream itself.
+TEST(StreamCheckHost, HostMemoryIsExemptFromTheCachingAllocatorsRules) {
+  Checker checker;
+  const c10::Stream side = checker.new_stream("side");
+  at::Tensor device = at::empty({4});
+  wait_stream(side, current_stream());
+  {
+    at::Tensor staged;
+    {
+      HostScope on_host(/*pinned=*/true);
+      staged = at::ones({4});
+    }
+    c10::StreamGuard guard(side);
+    device.copy_(staged, /*non_blocking=*/true);
+  }  // `staged` freed by the host while the copy may still read it
+  wait_stream(current_stream(), side);
+  EXPECT_TRUE(checker.reports().empty()) << checker.reports().front().message;
+  EXPECT_TRUE(device.equal(at::ones({4})));
+}
+
 TEST(StreamCheck, TheCollectiveModelComesFromTheEnvironment) {
   ::unsetenv("FSDP2CPP_STREAM_CHECK_MODEL");
   EXPECT_EQ(collective_model_from_env(), CollectiveModel::kGloo);

@@ -137,7 +137,10 @@ struct MixedPrecisionPolicy {
 // wait for the device first, e.g. after a forward without backward.
 //
 // REQUIRES (offload_to_cpu): the mesh is on a CUDA (not CPU) device: on a
-// CPU mesh parameters already live in host memory, and fully_shard throws.
+// CPU mesh parameters already live in host memory, and fully_shard throws,
+// except under the stream-order checker (stream_check.h), which models a
+// device on CPU so that offload's copies and the host's accesses are checked
+// there (docs/gpu.md, "The host as an agent").
 struct OffloadPolicy {
   bool offload_to_cpu = false;
   bool pin_memory = true;
@@ -472,7 +475,7 @@ class FSDPModule {
 // already sharded, and no ancestor is; a 2-D mesh is named (replicate,
 // shard); an integer reshard_after_forward divides the shard size; a
 // param_dtype is floating point; offload_to_cpu only on a non-CPU mesh (then
-// the parameters may also be on the CPU). Throws c10::Error naming
+// the parameters may also be on the CPU) or under the stream-order checker. Throws c10::Error naming
 // the module and parameter otherwise. Collective over the mesh (parameters
 // are not communicated, but the default mesh may be created).
 FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, const FullyShardOptions& options = {});

@@ -29,9 +29,22 @@
 //     touches the new block must first be ordered after S's position at the
 //     allocation (an allocation is a write by S);
 //   - host synchronizations (event, stream and device synchronize, item()
-//     and other scalar reads, a Work::wait that blocks the host) are counted
-//     with the op and FSDP phase that made them, as
-//     torch.cuda.set_sync_debug_mode does on a GPU (Checker::host_syncs()).
+//     and other scalar reads, a blocking copy between host and device, a
+//     Work::wait that blocks the host) are counted with the op and FSDP phase
+//     that made them, as torch.cuda.set_sync_debug_mode does on a GPU
+//     (Checker::host_syncs());
+//   - the host is an agent of its own (docs/gpu.md, "The host as an agent"):
+//     memory can be host memory of the modelled device (HostScope,
+//     memory_of), pinned or pageable. An op whose tensors are all host
+//     memory is the host's work: the host reads and writes at once, so
+//     stream work issued later is ordered after it, but the host is ordered
+//     after a stream's work only by a host synchronization. aten::copy_
+//     between host and device memory is a transfer on the current stream:
+//     non-blocking from or to pinned memory it is stream work, as
+//     cudaMemcpyAsync; otherwise the host waits for it (a host
+//     synchronization). Host memory is exempt from the caching allocator's
+//     rules (the pinned allocator records the streams of the copies that
+//     use a block itself).
 // An access that is not ordered after a conflicting one (read after write,
 // write after read or write), and a free that is not ordered after another
 // stream's access, is a race: a Report names the buffer, both streams, both
@@ -156,6 +169,32 @@ bool models_nccl();
 // clear_host_syncs(), in order. Empty when inactive.
 std::vector<HostSync> host_syncs();
 void clear_host_syncs();
+
+// Where a tensor's memory is in the model: host memory only where HostScope
+// made it, or where an op of the host (all its tensors host memory) did.
+enum class Memory {
+  kDevice,  // the default: every buffer the checker did not see made on the host
+  kPageableHost,
+  kPinnedHost,  // page-locked, as cudaHostAlloc (CPU offload's shards with pin_memory)
+};
+// kDevice when inactive or when `t` has no storage.
+Memory memory_of(const at::Tensor& t);
+
+// While it lives, what the calling thread does is the host's own work: its
+// ops are host accesses, and the memory they allocate is host memory, pinned
+// when `pinned` (the stand-in for a pinned allocation, which needs a GPU).
+// For code that makes the host memory of a modelled device (CPU offload on a
+// CPU mesh under the checker). No-op when inactive. Nests.
+class HostScope {
+ public:
+  explicit HostScope(bool pinned);
+  ~HostScope();
+  HostScope(const HostScope&) = delete;
+  HostScope& operator=(const HostScope&) = delete;
+
+ private:
+  bool previous_pinned_;
+};
 
 // Tracks the calling thread (its ops, allocations and frees) until it exits.
 // No-op when no Checker is alive.
