@@ -7,6 +7,7 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include "collectives/errors.h"
 #include "divergence_monitor.h"
 #include "multi_work.h"
 
@@ -25,12 +26,17 @@ std::string cause_of(const std::exception_ptr& error) {
   }
 }
 
+template <typename Error, typename... Args>
+[[noreturn]] void throw_error(const char* function, uint32_t line, const Args&... message) {
+  throw Error(c10::SourceLocation{function, __FILE__, line}, c10::str(message...));
+}
+
 // The engines' own errors ("Connection reset by peer", "Operation timed out!")
 // do not say which collective of which group failed; ours do.
 [[noreturn]] void throw_failure(const std::string& description, const std::exception_ptr& error) {
-  TORCH_CHECK(false, "fsdp2cpp: ", description, " failed: ", cause_of(error),
-              ". A peer that exited, crashed or stopped issuing the same collectives makes the others fail; "
-              "check the logs of the other ranks of the group.");
+  throw_error<CollectiveFailed>(__func__, __LINE__, "fsdp2cpp: ", description, " failed: ", cause_of(error),
+                                ". A peer that exited, crashed or stopped issuing the same collectives makes the "
+                                "others fail; check the logs of the other ranks of the group.");
 }
 
 std::exception_ptr as_described(const std::string& description, const std::exception_ptr& error) {
@@ -74,8 +80,14 @@ void Work::wait(std::chrono::milliseconds timeout) {
       if (monitor_ && failed && timeout.count() == 0) {
         const double waited_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
         if (auto diagnosis = monitor_->diagnose_failure(waited_s)) {
-          TORCH_CHECK(false, "fsdp2cpp: ", description_, " failed: ", cause_of(error), ". ", *diagnosis);
+          throw_error<CollectiveDiverged>(__func__, __LINE__, "fsdp2cpp: ", description_, " failed: ", cause_of(error),
+                                          ". ", *diagnosis);
         }
+      }
+      if (!failed && timeout.count() != 0) {
+        throw_error<CollectiveTimeout>(__func__, __LINE__, "fsdp2cpp: ", description_, " did not complete within ",
+                                       timeout.count(), " ms (", cause_of(error),
+                                       "); it is still in flight, and wait() may be called again");
       }
       throw_failure(description_, error);
     }
@@ -83,7 +95,7 @@ void Work::wait(std::chrono::milliseconds timeout) {
       const double waited_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
       const std::string diagnosis = monitor_->diagnose(waited_s);
       monitor_->recorder().mark(record_id_, CollectiveState::kFailed);
-      TORCH_CHECK(false, "fsdp2cpp: ", description_, " did not complete: ", diagnosis);
+      throw_error<CollectiveDiverged>(__func__, __LINE__, "fsdp2cpp: ", description_, " did not complete: ", diagnosis);
     }
     if (monitor_) {
       // A stream waits for it, the host does not: the monitor's watchdog

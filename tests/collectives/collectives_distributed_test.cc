@@ -22,6 +22,7 @@
 
 #include "collective_checks.h"
 #include "collectives/communicator.h"
+#include "collectives/errors.h"
 #include "collectives/world.h"
 #include "fsdp_testing/distributed_test.h"
 
@@ -284,7 +285,7 @@ TEST(FailureTest, SurvivorsOfARankThatDiesMidCollectiveFailNamingIt) {
     try {
       comm.all_reduce(t, ReduceOp::sum()).wait();
       ADD_FAILURE() << "all_reduce succeeded although rank 1 died";
-    } catch (const c10::Error& e) {
+    } catch (const CollectiveFailed& e) {
       const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       std::cout << "SURVIVOR ERROR after " << seconds << "s: " << e.what_without_backtrace() << std::endl;
       EXPECT_THAT(e.what_without_backtrace(), HasSubstr("all_reduce(SUM) on gloo[0,1,2] failed"));
@@ -319,7 +320,7 @@ TEST(FailureTest, SurvivorsOfARankThatStopsIssuingCollectivesFailAfterTheTimeout
     try {
       comm.all_reduce(t, ReduceOp::avg()).wait();
       ADD_FAILURE() << "all_reduce succeeded although rank 1 never issued it";
-    } catch (const c10::Error& e) {
+    } catch (const CollectiveFailed& e) {  // the engine's timeout came first
       const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       EXPECT_THAT(e.what_without_backtrace(), HasSubstr("all_reduce(AVG) on gloo[0,1,2] failed"));
       // After the 2 s timeout, and before rank 1 gives up its 30 s wait
@@ -330,6 +331,36 @@ TEST(FailureTest, SurvivorsOfARankThatStopsIssuingCollectivesFailAfterTheTimeout
     }
     store_set(store, "hang_test/failed/" + std::to_string(ctx.rank()), "1");
   });
+}
+
+// A rank that stops issuing collectives, found by the divergence monitor
+// before the engine's own timeout: the waiting ranks get the diagnosis as a
+// CollectiveDiverged, which a caller can tell from an engine failure by type.
+TEST(FailureTest, AStallTheMonitorDiagnosesIsACollectiveDiverged) {
+  ::setenv("FSDP2CPP_DIVERGENCE_TIMEOUT_S", "2", 1);
+  fsdp::testing::DistributedTestOptions options;
+  options.world_size = 2;
+  options.communicator.timeout = std::chrono::minutes(5);
+  options.timeout = std::chrono::seconds(120);
+  fsdp::testing::run_distributed(options, [](RankContext& ctx) {
+    auto& comm = *ctx.world_group();
+    comm.barrier().wait();
+    const auto& store = ctx.world()->store();
+    if (ctx.rank() == 1) {
+      // Alive (its monitor answers the diagnosis) but silent.
+      store->wait({"stall_test/diagnosed"}, std::chrono::seconds(90));
+      return;
+    }
+    at::Tensor t = at::ones({16});
+    try {
+      comm.all_reduce(t, ReduceOp::sum()).wait();
+      ADD_FAILURE() << "all_reduce succeeded although rank 1 never issued it";
+    } catch (const CollectiveDiverged& e) {
+      EXPECT_THAT(e.what_without_backtrace(), HasSubstr("all_reduce(SUM) on gloo[0,1] did not complete"));
+    }
+    store_set(store, "stall_test/diagnosed", "1");
+  });
+  ::unsetenv("FSDP2CPP_DIVERGENCE_TIMEOUT_S");
 }
 
 }  // namespace
