@@ -181,13 +181,16 @@ def apply_activation_checkpointing(model, args):
     context: the outputs of the ops named in --ac-save-ops are kept (MUST_SAVE),
     everything else is recomputed (PREFER_RECOMPUTE). Ops are matched by their
     schema name without the overload, as fsdp2cpp's policy matches them. The
-    random state is preserved (the default of both systems).
+    random state is preserved (the default of both systems). --ac-early-stop
+    off turns off PyTorch's early stop (by default its recomputation ends once
+    the last tensor backward needs is rebuilt; fsdp2cpp's runs the whole
+    block), to measure what that saves.
     """
     if args.ac == "none":
         return
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    kwargs = {}
+    kwargs = {"early_stop": args.ac_early_stop == "on"}
     if args.ac == "selective":
         from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
@@ -344,6 +347,8 @@ def main():
     parser.add_argument("--ac-every", type=int, default=1, help="with --ac: checkpoint blocks 0, N, 2N, ...")
     parser.add_argument("--ac-save-ops", default=DEFAULT_SAVE_OPS,
                         help="with --ac selective: comma-separated ops whose outputs are kept (dispatcher names)")
+    parser.add_argument("--ac-early-stop", default="on", choices=["on", "off"],
+                        help="with --ac: torch.utils.checkpoint's early_stop (on: PyTorch's default)")
     parser.add_argument("--data", default=os.path.join(os.path.dirname(__file__), "..", "..", "..", "data",
                                                        "tiny_corpus.txt"))
     # overhead
