@@ -24,13 +24,15 @@
 // On CUDA (--device cuda) the memory columns are the caching allocator's
 // peak (live, act); rss is not measured.
 //
-// --repeats R runs each mode's two systems R times, alternating which goes
-// first, and prints the medians (the half-row runs are made once).
+// --repeats R runs every mode's two systems R times, the modes in rotating
+// order and the systems alternating, and prints the medians (the half-row
+// runs are made once).
 //
 //   fsdp_ac_bench                             both models, 2 ranks, 8 steps per run (2 untimed)
 //   fsdp_ac_bench --models deep --repeats 3   the deep model only, medians of 3
 //   fsdp_ac_bench --quick                     a seconds-long smoke run (tiny model, no act runs)
 #include <algorithm>
+#include <array>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -54,7 +56,7 @@ ABSL_FLAG(std::string, ac_modes, "none,full,selective", "comma-separated --ac mo
 ABSL_FLAG(int64_t, ac_every, 1, "checkpoint blocks 0, N, 2N, ... (fsdp_train --ac-every)");
 ABSL_FLAG(int, steps, 8, "steps per run, including the untimed warm-up steps");
 ABSL_FLAG(int, warmup_steps, 2, "untimed first steps of each run");
-ABSL_FLAG(int, repeats, 1, "runs of each system per mode, alternating which goes first; medians are printed");
+ABSL_FLAG(int, repeats, 1, "runs of each system per mode, in rotating order; medians are printed");
 ABSL_FLAG(std::string, device, "cpu", "cpu (Gloo) or cuda (NCCL, one GPU per rank)");
 ABSL_FLAG(bool, quick, false,
           "tiny model, 2 steps, no half-row runs (act not measured): checks the program works, measures nothing");
@@ -195,69 +197,86 @@ int main(int argc, char** argv) {
       "steps %d..%d (slowest rank); --ac-every %lld%s\n",
       nproc, options.device.c_str(), options.warmup_steps + 1, options.steps, static_cast<long long>(options.ac_every),
       quick ? " (--quick: measures nothing)" : "");
-  if (repeats > 1) std::printf("%d repeats per mode, alternating the systems' order: medians\n", repeats);
+  if (repeats > 1) std::printf("%d repeats per mode, modes and systems in rotating order: medians\n", repeats);
+  const auto measure = [&](int system, const bench::TrainShape& shape, const bench::RunOptions& o) {
+    bench::Measured m =
+        system == 0 ? bench::run_fsdp_train(programs, shape, o) : bench::run_pytorch_fsdp2(programs, shape, o);
+    if (!m.ok) {
+      std::fprintf(stderr, "fsdp_ac_bench: %s\n", m.error.c_str());
+      std::exit(1);
+    }
+    return m;
+  };
+  const auto with_ac = [&](const std::string& mode) {
+    bench::RunOptions run = options;
+    run.ac = mode;
+    return run;
+  };
   for (const Model& model : models) {
     std::printf("\n%s: %s\n", model.name.c_str(), describe(model.shape).c_str());
-    std::printf("%-10s %9s %9s %5s %9s %9s %5s %9s %9s %5s %9s %9s %5s %9s %9s\n", "ac", "ours live", "pt live", "o/p",
-                "ours rss", "pt rss", "o/p", "ours act", "pt act", "o/p", "ours ms", "pt ms", "o/p", "ours/none",
-                "pt/none");
     std::fflush(stdout);
-    double none_s[2] = {-1, -1};
-    for (const std::string& mode : modes) {
-      bench::RunOptions run = options;
-      run.ac = mode;
-      Figures fig[2];  // [0] fsdp2cpp, [1] PyTorch FSDP2
-      const auto measure = [&](int system, const bench::TrainShape& shape, const bench::RunOptions& o) {
-        bench::Measured m =
-            system == 0 ? bench::run_fsdp_train(programs, shape, o) : bench::run_pytorch_fsdp2(programs, shape, o);
-        if (!m.ok) {
-          std::fprintf(stderr, "fsdp_ac_bench: %s\n", m.error.c_str());
-          std::exit(1);
-        }
-        return m;
-      };
-      for (int r = 0; r < repeats; ++r) {
+    // fig[mode][0]: fsdp2cpp, fig[mode][1]: PyTorch FSDP2. Each repeat runs
+    // every mode, the modes in rotating order and the two systems in
+    // alternating order, so that a change in the machine's load spreads over
+    // the rows instead of landing on the last ones.
+    std::vector<std::array<Figures, 2>> fig(modes.size());
+    for (int r = 0; r < repeats; ++r) {
+      for (size_t j = 0; j < modes.size(); ++j) {
+        const size_t i = (j + static_cast<size_t>(r)) % modes.size();
         for (int k = 0; k < 2; ++k) {
-          const int system = (r + k) % 2;
-          const bench::Measured m = measure(system, model.shape, run);
-          fig[system].live.push_back(options.count_live_bytes ? m.peak_live_bytes : m.peak_bytes);
-          fig[system].rss.push_back(options.count_live_bytes ? m.peak_bytes : -1);
-          fig[system].step_s.push_back(m.median_step_s);
+          const int system = static_cast<int>((static_cast<size_t>(r + k) + i) % 2);
+          const bench::Measured m = measure(system, model.shape, with_ac(modes[i]));
+          fig[i][system].live.push_back(options.count_live_bytes ? m.peak_live_bytes : m.peak_bytes);
+          fig[i][system].rss.push_back(options.count_live_bytes ? m.peak_bytes : -1);
+          fig[i][system].step_s.push_back(m.median_step_s);
         }
       }
-      if (!quick) {
-        bench::TrainShape half = model.shape;
-        half.global_batch /= 2;
-        bench::RunOptions short_run = run;
-        short_run.steps = std::min(run.steps, 3);  // the peak is reached in step 2 (AdamW's moments exist)
+    }
+    if (!quick) {
+      bench::TrainShape half = model.shape;
+      half.global_batch /= 2;
+      for (size_t i = 0; i < modes.size(); ++i) {
+        bench::RunOptions short_run = with_ac(modes[i]);
+        short_run.steps = std::min(options.steps, 3);  // the peak is reached in step 2 (AdamW's moments exist)
         short_run.warmup_steps = 1;
         for (int system = 0; system < 2; ++system) {
           const bench::Measured m = measure(system, half, short_run);
-          fig[system].live_half = options.count_live_bytes ? m.peak_live_bytes : m.peak_bytes;
+          fig[i][system].live_half = options.count_live_bytes ? m.peak_live_bytes : m.peak_bytes;
         }
       }
-      double s[2];
-      for (int i = 0; i < 2; ++i) {
-        s[i] = bench::median(fig[i].step_s);
-        if (mode == "none") none_s[i] = s[i];
-      }
-      const double live[2] = {bench::median(fig[0].live), bench::median(fig[1].live)};
-      const double rss[2] = {bench::median(fig[0].rss), bench::median(fig[1].rss)};
-      const double act[2] = {fig[0].act(), fig[1].act()};
-      std::printf("%-10s %s %s %s %s %s %s %s %s %s %9.1f %9.1f %s %s %s\n", mode.c_str(), mib_cell(live[0], 9).c_str(),
-                  mib_cell(live[1], 9).c_str(), ratio_cell(live[0], live[1], 5).c_str(), mib_cell(rss[0], 9).c_str(),
-                  mib_cell(rss[1], 9).c_str(), ratio_cell(rss[0], rss[1], 5).c_str(), mib_cell(act[0], 9).c_str(),
-                  mib_cell(act[1], 9).c_str(), ratio_cell(act[0], act[1], 5).c_str(), 1e3 * s[0], 1e3 * s[1],
-                  ratio_cell(s[0], s[1], 5).c_str(), ratio_cell(s[0], none_s[0], 9).c_str(),
-                  ratio_cell(s[1], none_s[1], 9).c_str());
-      std::fflush(stdout);
     }
+    std::printf("%-10s %9s %9s %5s %9s %9s %5s %9s %9s %5s %9s %9s %5s %9s %9s\n", "ac", "ours live", "pt live", "o/p",
+                "ours rss", "pt rss", "o/p", "ours act", "pt act", "o/p", "ours ms", "pt ms", "o/p", "ours/none",
+                "pt/none");
+    double none_s[2] = {-1, -1};
+    for (size_t i = 0; i < modes.size(); ++i) {
+      if (modes[i] == "none") {
+        for (int system = 0; system < 2; ++system) none_s[system] = bench::median(fig[i][system].step_s);
+      }
+    }
+    for (size_t i = 0; i < modes.size(); ++i) {
+      double live[2], rss[2], act[2], s[2];
+      for (int system = 0; system < 2; ++system) {
+        const Figures& f = fig[i][system];
+        live[system] = bench::median(f.live);
+        rss[system] = bench::median(f.rss);
+        act[system] = f.act();
+        s[system] = bench::median(f.step_s);
+      }
+      std::printf("%-10s %s %s %s %s %s %s %s %s %s %9.1f %9.1f %s %s %s\n", modes[i].c_str(),
+                  mib_cell(live[0], 9).c_str(), mib_cell(live[1], 9).c_str(), ratio_cell(live[0], live[1], 5).c_str(),
+                  mib_cell(rss[0], 9).c_str(), mib_cell(rss[1], 9).c_str(), ratio_cell(rss[0], rss[1], 5).c_str(),
+                  mib_cell(act[0], 9).c_str(), mib_cell(act[1], 9).c_str(), ratio_cell(act[0], act[1], 5).c_str(),
+                  1e3 * s[0], 1e3 * s[1], ratio_cell(s[0], s[1], 5).c_str(), ratio_cell(s[0], none_s[0], 9).c_str(),
+                  ratio_cell(s[1], none_s[1], 9).c_str());
+    }
+    std::fflush(stdout);
   }
   std::printf(
       "\nMiB per rank (max over ranks). live: peak of bytes held through malloc (libfsdp_malloc_counter.so in both "
       "systems; on cuda the caching allocator's peak); rss: max RSS; act: 2 x (live - live at half the rows per "
       "rank), what grows with the batch. ms: median step time. o/p: fsdp2cpp / PyTorch FSDP2. /none: step time "
-      "over the same system's without checkpointing (first row none). Goals (issue 31): act o/p <= 1.1 and ms o/p "
+      "over the same system's without checkpointing. Goals (issue 31): act o/p <= 1.1 and ms o/p "
       "<= 1 with full AC; full's /none near 1.33 (one more forward).\n");
   return 0;
 }
