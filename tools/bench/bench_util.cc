@@ -103,12 +103,15 @@ Programs default_programs() {
 namespace {
 
 std::vector<std::string> shape_flags(const TrainShape& shape, const RunOptions& options) {
-  return {"--layers",       std::to_string(shape.layers),       "--dim",     std::to_string(shape.dim),
-          "--heads",        std::to_string(shape.heads),        "--seq-len", std::to_string(shape.seq_len),
-          "--global-batch", std::to_string(shape.global_batch), "--steps",   std::to_string(options.steps),
-          "--threads",      std::to_string(options.threads),    "--device",  options.device,
-          "--clip",         std::to_string(shape.clip),         "--ac",      options.ac,
-          "--ac-every",     std::to_string(options.ac_every)};
+  std::vector<std::string> flags = {
+      "--layers",       std::to_string(shape.layers),       "--dim",     std::to_string(shape.dim),
+      "--heads",        std::to_string(shape.heads),        "--seq-len", std::to_string(shape.seq_len),
+      "--global-batch", std::to_string(shape.global_batch), "--steps",   std::to_string(options.steps),
+      "--threads",      std::to_string(options.threads),    "--device",  options.device,
+      "--clip",         std::to_string(shape.clip),         "--ac",      options.ac};
+  // fsdp_train refuses --ac-every without checkpointing.
+  if (options.ac != "none") flags.insert(flags.end(), {"--ac-every", std::to_string(options.ac_every)});
+  return flags;
 }
 
 std::string command_line(const std::string& program, const std::vector<std::string>& args) {
