@@ -30,7 +30,7 @@
 //
 //   fsdp_ac_bench                             both models, 2 ranks, 8 steps per run (2 untimed)
 //   fsdp_ac_bench --models deep --repeats 3   the deep model only, medians of 3
-//   fsdp_ac_bench --quick                     a seconds-long smoke run (tiny model, no act runs)
+//   fsdp_ac_bench --quick                     a short smoke run (tiny model, no act runs)
 #include <algorithm>
 #include <array>
 #include <cstdio>
