@@ -277,5 +277,30 @@ TEST(BenchSmoke, OverheadBenchPrintsPerGroupFiguresAndTheRatio) {
   EXPECT_GT(std::stod(m[1]), 0) << run.output;
 }
 
+// fsdp_ac_bench: one row per --ac mode, both systems' peaks and step times
+// and the ratios; --quick makes no half-row runs, so act is "-".
+TEST(BenchSmoke, AcBenchPrintsOneRowPerModeForBothSystems) {
+  const RunResult run = run_program(FSDP_AC_BENCH, {"--quick"});
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  for (const char* column : {"ours live", "pt live", "ours rss", "pt rss", "ours act", "pt act", "ours ms", "pt ms",
+                             "ours/none", "pt/none"}) {
+    EXPECT_NE(run.output.find(column), std::string::npos) << column << " missing:\n" << run.output;
+  }
+  for (const std::string mode : {"none", "full", "selective"}) {
+    const auto rows = lines_starting_with(run.output, mode + " ");
+    ASSERT_EQ(rows.size(), 1u) << "one row for --ac " << mode << ":\n" << run.output;
+    // live x2, o/p, rss x2, o/p, act x2, o/p, ms x2, o/p, ours/none, pt/none.
+    const std::vector<double> v = numbers_from(rows[0], 1);
+    ASSERT_EQ(v.size(), 14u) << rows[0];
+    for (size_t i : {0u, 1u, 2u, 3u, 4u, 5u, 9u, 10u, 11u, 12u, 13u}) {
+      EXPECT_TRUE(std::isfinite(v[i]) && v[i] > 0) << "field " << i + 1 << " of: " << rows[0];
+    }
+    for (size_t i : {6u, 7u, 8u}) EXPECT_TRUE(std::isnan(v[i])) << "act is not measured in --quick: " << rows[0];
+    // The live heap is part of the resident set.
+    EXPECT_LT(v[0], v[3]) << rows[0];
+    EXPECT_LT(v[1], v[4]) << rows[0];
+  }
+}
+
 }  // namespace
 }  // namespace fsdp_train_test

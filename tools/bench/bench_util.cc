@@ -15,6 +15,7 @@
 
 #include <torch/cuda.h>
 
+#include "fsdp2/activation_checkpoint.h"
 #include "fsdp_common/child_process.h"
 #include "fsdp_common/config.h"
 
@@ -102,11 +103,15 @@ Programs default_programs() {
 namespace {
 
 std::vector<std::string> shape_flags(const TrainShape& shape, const RunOptions& options) {
-  return {"--layers",       std::to_string(shape.layers),       "--dim",     std::to_string(shape.dim),
-          "--heads",        std::to_string(shape.heads),        "--seq-len", std::to_string(shape.seq_len),
-          "--global-batch", std::to_string(shape.global_batch), "--steps",   std::to_string(options.steps),
-          "--threads",      std::to_string(options.threads),    "--device",  options.device,
-          "--clip",         std::to_string(shape.clip)};
+  std::vector<std::string> flags = {
+      "--layers",       std::to_string(shape.layers),       "--dim",     std::to_string(shape.dim),
+      "--heads",        std::to_string(shape.heads),        "--seq-len", std::to_string(shape.seq_len),
+      "--global-batch", std::to_string(shape.global_batch), "--steps",   std::to_string(options.steps),
+      "--threads",      std::to_string(options.threads),    "--device",  options.device,
+      "--clip",         std::to_string(shape.clip),         "--ac",      options.ac};
+  // fsdp_train refuses --ac-every without checkpointing.
+  if (options.ac != "none") flags.insert(flags.end(), {"--ac-every", std::to_string(options.ac_every)});
+  return flags;
 }
 
 std::string command_line(const std::string& program, const std::vector<std::string>& args) {
@@ -224,6 +229,11 @@ Measured run_pytorch_fsdp2(const Programs& programs, const TrainShape& shape, co
   const std::vector<std::string> flags = shape_flags(shape, options);
   args.insert(args.end(), flags.begin(), flags.end());
   if (options.no_shard) args.push_back("--no-shard");
+  if (options.ac == "selective") {
+    std::string ops;
+    for (const std::string& op : fsdp::selective_checkpoint_ops()) ops += (ops.empty() ? "" : ",") + op;
+    args.insert(args.end(), {"--ac-save-ops", ops});
+  }
   // One scratch directory per attempt; the last one's counter reports are
   // read below.
   std::deque<ScratchDir> dirs;  // deque: ScratchDir does not move

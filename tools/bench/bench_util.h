@@ -117,6 +117,12 @@ struct RunOptions {
   // GLIBC_TUNABLES for the run's processes (e.g.
   // "glibc.malloc.mmap_threshold=131072"); empty: the caller's environment.
   std::string glibc_tunables;
+  // Activation checkpointing of blocks 0, ac_every, 2 ac_every, ...:
+  // fsdp_train --ac / the script's --ac (none | full | selective). The
+  // script's selective policy is given fsdp::selective_checkpoint_ops(), so
+  // both systems keep the outputs of the same ops.
+  std::string ac = "none";
+  int64_t ac_every = 1;
 };
 
 // fsdp_train with `shape` and `options` (--json, parsed).

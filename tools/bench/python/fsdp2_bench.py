@@ -13,16 +13,20 @@ benchmarks run this script and read the one line it prints:
     python fsdp2_bench.py train --nproc 2 --layers 4 --dim 512 --heads 8 \
         --seq-len 16 --global-batch 2 --steps 5 --clip 0
     python fsdp2_bench.py overhead --nproc 1 --groups 64 --steps 200
+    python fsdp2_bench.py train --nproc 2 --ac full          # as fsdp_train --ac full
 
 Modes:
   train     median step time (steps after --warmup-steps), peak memory (max
             over ranks: max RSS on CPU, allocator peak on CUDA), losses.
+            --ac none|full|selective and --ac-every N checkpoint blocks 0, N,
+            2N, ... as fsdp_train --ac does (see apply_activation_checkpointing).
   overhead  per-group host overhead: median step time (forward + backward)
             of --groups tiny fully_shard'ed modules minus the same model
             unsharded, divided by the number of groups.
 """
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -158,6 +162,51 @@ def setup_rank(rank, args):
     return device
 
 
+# fsdp::selective_checkpoint_ops() (fsdp2/activation_checkpoint.h): the
+# matrix products and the fused attention kernels, by dispatcher name. The
+# benchmark programs pass the library's own list (--ac-save-ops); this is the
+# default for running the script by hand.
+DEFAULT_SAVE_OPS = ",".join([
+    "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_dot_product_flash_attention",
+    "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_efficient_attention",
+    "aten::_scaled_dot_product_cudnn_attention"
+])
+
+
+def apply_activation_checkpointing(model, args):
+    """--ac: checkpoints blocks 0, N, 2N, ... (N = --ac-every) before fully_shard, as fsdp_train --ac does.
+
+    full: checkpoint_wrapper, i.e. torch.utils.checkpoint(use_reentrant=False)
+    around the block. selective: the same with torchtitan's op-level SAC
+    context: the outputs of the ops named in --ac-save-ops are kept (MUST_SAVE),
+    everything else is recomputed (PREFER_RECOMPUTE). Ops are matched by their
+    schema name without the overload, as fsdp2cpp's policy matches them. The
+    random state is preserved (the default of both systems). --ac-early-stop
+    off turns off PyTorch's early stop (by default its recomputation ends once
+    the last tensor backward needs is rebuilt; fsdp2cpp's runs the whole
+    block), to measure what that saves.
+    """
+    if args.ac == "none":
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    kwargs = {"early_stop": args.ac_early_stop == "on"}
+    if args.ac == "selective":
+        from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+        save = frozenset(args.ac_save_ops.split(","))
+
+        def policy(ctx, func, *op_args, **op_kwargs):
+            schema = getattr(func, "_schema", None)
+            saved = schema is not None and schema.name in save
+            return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, policy)
+    for i, block in enumerate(model.layers):
+        if i % args.ac_every == 0:
+            model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=True, **kwargs)
+
+
 def train_rank(rank, args, out):
     from torch.distributed.fsdp import fully_shard
 
@@ -166,6 +215,7 @@ def train_rank(rank, args, out):
     hidden = hidden_size(args.dim, args.hidden)
     with torch.device(device):
         model = Transformer(args.layers, args.dim, args.heads, hidden, args.seq_len)
+    apply_activation_checkpointing(model, args)
     if not args.no_shard:
         for block in model.layers:
             fully_shard(block)
@@ -292,6 +342,13 @@ def main():
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--clip", type=float, default=0.0)
     parser.add_argument("--no-shard", action="store_true", help="the same model without fully_shard, one rank")
+    parser.add_argument("--ac", default="none", choices=["none", "full", "selective"],
+                        help="activation checkpointing of the blocks, as fsdp_train --ac")
+    parser.add_argument("--ac-every", type=int, default=1, help="with --ac: checkpoint blocks 0, N, 2N, ...")
+    parser.add_argument("--ac-save-ops", default=DEFAULT_SAVE_OPS,
+                        help="with --ac selective: comma-separated ops whose outputs are kept (dispatcher names)")
+    parser.add_argument("--ac-early-stop", default="on", choices=["on", "off"],
+                        help="with --ac: torch.utils.checkpoint's early_stop (on: PyTorch's default)")
     parser.add_argument("--data", default=os.path.join(os.path.dirname(__file__), "..", "..", "..", "data",
                                                        "tiny_corpus.txt"))
     # overhead
@@ -303,6 +360,8 @@ def main():
         parser.error("--nproc must be >= 1, and 1 with --no-shard")
     if args.global_batch % args.nproc != 0:
         parser.error("--global-batch must be divisible by --nproc")
+    if args.ac_every < 1:
+        parser.error("--ac-every must be >= 1")
     args.port = free_port()
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
