@@ -44,12 +44,14 @@ class DryBackend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
                                                  const c10d::AllgatherOptions&) override {
     on_collective_("all_gather_into_tensor", bytes_of(output));
+    gathered({output});
     return c10::make_intrusive<DryWork>(c10d::OpType::_ALLGATHER_BASE);
   }
   c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                  std::vector<at::Tensor>& inputs,
                                                                  const c10d::AllgatherOptions&) override {
     on_collective_("all_gather_into_tensor_coalesced", bytes_of(outputs));
+    gathered(outputs);
     return c10::make_intrusive<DryWork>(c10d::OpType::COALESCED);
   }
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
@@ -82,14 +84,23 @@ class DryBackend final : public c10d::Backend {
   }
 
  private:
-  // The Gloo reduce-scatter's receive buffer ([Note: Gloo reduce-scatter]):
-  // one row per rank of each output, as large as the input. At one rank it
-  // does not exchange, and allocates nothing.
+  // What the Gloo engine allocates for a reduce-scatter, held until the
+  // wait: at two or more ranks this project's all-to-all receive buffer
+  // ([Note: Gloo reduce-scatter] in collectives/src/communicator.cc), at one
+  // rank c10d's copy of the input (ProcessGroupGloo's _reduce_scatter_base
+  // all-reduces a copy); both as large as the input.
   std::vector<at::Tensor> received(const std::vector<at::Tensor>& inputs) const {
     std::vector<at::Tensor> held;
-    if (!gloo_buffers_ || getSize() == 1) return held;
+    if (!gloo_buffers_) return held;
     for (const at::Tensor& in : inputs) held.push_back(at::empty_like(in));
     return held;
+  }
+  // ProcessGroupGloo's all-gather gathers into a flat buffer as large as the
+  // output and copies it out; it lives while the engine runs the collective
+  // (on its worker thread at two or more ranks), here for an instant.
+  void gathered(const std::vector<at::Tensor>& outputs) const {
+    if (!gloo_buffers_) return;
+    for (const at::Tensor& out : outputs) at::empty_like(out);
   }
 
   bool gloo_buffers_;

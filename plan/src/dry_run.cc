@@ -86,6 +86,8 @@ struct DryRun::Recorder {
     std::string fsdp_phase;  // label, e.g. "FSDP::all_gather_copy_in (layers.3)"
     std::optional<Holder> mark;
     CachingAllocatorModel::Handle block = -1;
+    int stream = 0;
+    std::string op;
   };
 
   mutable std::mutex mutex;
@@ -133,6 +135,9 @@ void on_free(void* ctx) {
   r->cuda.free(a.block);
 }
 
+// The ATen ops running on this thread, innermost last (for the records).
+thread_local std::vector<const char*> t_ops;
+
 // The meta device's allocator: as ATen's (no memory, a null pointer), and
 // while a DryRun lives it records the allocation, whose DataPtr context
 // records the free.
@@ -148,7 +153,9 @@ class RecordingMetaAllocator final : public c10::Allocator {
     a.step = r->step;
     a.step_phase = r->step_phase;
     a.fsdp_phase = r->current_phase();
-    a.block = r->cuda.allocate(a.bytes, stream_of(phase_of(a.fsdp_phase)));
+    a.stream = stream_of(phase_of(a.fsdp_phase));
+    a.block = r->cuda.allocate(a.bytes, a.stream);
+    if (!t_ops.empty()) a.op = t_ops.back();
     r->live += a.bytes;
     if (r->live > r->peak) {
       r->peak = r->live;
@@ -174,6 +181,10 @@ RecordingMetaAllocator g_meta_allocator;
 // FSDP phase labels reach us as RecordFunction user scopes (phase.h opens
 // one for each phase when any callback is registered).
 std::unique_ptr<at::ObserverContext> on_scope_enter(const at::RecordFunction& fn) {
+  if (fn.scope() != at::RecordScope::USER_SCOPE) {
+    t_ops.push_back(fn.name());
+    return nullptr;
+  }
   if (std::strncmp(fn.name(), "FSDP::", 6) != 0) return nullptr;
   const std::string label = fn.name();
   std::lock_guard<std::mutex> lock(g_mutex);
@@ -190,6 +201,10 @@ std::unique_ptr<at::ObserverContext> on_scope_enter(const at::RecordFunction& fn
 }
 
 void on_scope_exit(const at::RecordFunction& fn, at::ObserverContext*) {
+  if (fn.scope() != at::RecordScope::USER_SCOPE) {
+    if (!t_ops.empty()) t_ops.pop_back();
+    return;
+  }
   if (std::strncmp(fn.name(), "FSDP::", 6) != 0) return;
   std::lock_guard<std::mutex> lock(g_mutex);
   DryRun::Recorder* r = g_recorder;
@@ -267,7 +282,8 @@ DryRun::DryRun(DryRunOptions options) : options_(std::move(options)) {
     g_recorder = recorder_.get();
   }
   callback_ = at::addGlobalCallback(
-      at::RecordFunctionCallback(&on_scope_enter, &on_scope_exit).scopes({at::RecordScope::USER_SCOPE}));
+      at::RecordFunctionCallback(&on_scope_enter, &on_scope_exit)
+          .scopes({at::RecordScope::USER_SCOPE, at::RecordScope::FUNCTION, at::RecordScope::BACKWARD_FUNCTION}));
 
   // The mesh, built before the meta mode starts: its rank layout is a CPU tensor.
   fsdp::collectives::RendezvousOptions rendezvous;
@@ -302,6 +318,8 @@ DryRun::DryRun(DryRunOptions options) : options_(std::move(options)) {
         world, layout, {group(layout.select(1, column).contiguous()), group(layout.select(0, row).contiguous())},
         {"replicate", "shard"}));
   }
+  set_attention_layout(o.engine == fsdp::collectives::BackendKind::kGloo ? AttentionLayout::kCpu
+                                                                         : AttentionLayout::kCuda);
   meta_.emplace();
 }
 
@@ -375,6 +393,16 @@ MemoryReport DryRun::memory() const {
     report.peak_by_holder[static_cast<size_t>(holder)] += a.bytes;
   }
   return report;
+}
+
+std::vector<AllocationRecord> DryRun::allocations() const {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  std::vector<AllocationRecord> out;
+  out.reserve(recorder_->allocations.size());
+  for (const auto& a : recorder_->allocations) {
+    out.push_back({a.bytes, a.allocated_at, a.freed_at, a.step, a.step_phase, a.fsdp_phase, a.stream, a.op});
+  }
+  return out;
 }
 
 std::vector<CollectiveRecord> DryRun::collectives() const {

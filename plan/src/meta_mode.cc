@@ -1,5 +1,6 @@
 #include "fsdp_plan/meta_mode.h"
 
+#include <atomic>
 #include <cstring>
 #include <tuple>
 
@@ -42,23 +43,30 @@ void meta_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torc
 
 TORCH_LIBRARY_IMPL(_, DeferredInit, m) { m.fallback(torch::CppFunction::makeFromBoxedFunction<&meta_fallback>()); }
 
-// Meta kernels of CPU flash attention, allocating what the CPU kernels
-// allocate (aten/src/ATen/native/transformers/attention.cpp,
-// _scaled_dot_product_flash_attention_cpu and its backward): the output as
-// [batch, q_len, heads, head_dim] and the log-sum-exp as [batch, q_len,
-// heads] in the accumulation dtype (float32 for float32, bfloat16 and
-// float16), both returned transposed to [batch, heads, ...]; backward one
-// gradient like each input. The kernels' per-thread scratch buffers are not
-// modelled (tens of KiB per thread).
+// Meta kernels of flash attention. The output's layout is the kernel's: the
+// CPU kernel (aten/src/ATen/native/transformers/attention.cpp,
+// _scaled_dot_product_flash_attention_cpu) returns empty_like(query),
+// [batch, heads, seq, head_dim], so the usual out.transpose(1, 2).reshape()
+// back to [batch, seq, dim] copies it; CUDA's flash kernel writes
+// [batch, seq, heads, head_dim] and returns it transposed, so that reshape is
+// a view. The log-sum-exp is [batch, heads, seq] in float32 (float for bf16
+// and fp16 inputs). Backward makes one gradient like each input. Not
+// modelled: the CPU kernel's per-thread scratch (tens of KiB, freed within
+// the op) and CUDA's float32 dq accumulator in backward.
+std::atomic<bool> g_cuda_attention_layout{true};
+
 std::tuple<at::Tensor, at::Tensor> flash_forward_meta(const at::Tensor& query, const at::Tensor& key,
                                                       const at::Tensor& value, double dropout_p, bool is_causal,
                                                       const std::optional<at::Tensor>& attn_mask,
                                                       std::optional<double> scale) {
   const int64_t batch = query.size(0), heads = query.size(1), q_len = query.size(2), v_dim = value.size(3);
-  at::Tensor output = at::empty({batch, q_len, heads, v_dim}, query.options());
   const c10::ScalarType acc = at::isReducedFloatingType(query.scalar_type()) ? at::kFloat : query.scalar_type();
-  at::Tensor logsumexp = at::empty({batch, q_len, heads}, query.options().dtype(acc));
-  return {output.transpose(1, 2), logsumexp.transpose(1, 2)};
+  at::Tensor logsumexp = at::empty({batch, heads, q_len}, query.options().dtype(acc));
+  if (g_cuda_attention_layout.load()) {
+    return {at::empty({batch, q_len, heads, v_dim}, query.options()).transpose(1, 2), logsumexp};
+  }
+  if (v_dim == query.size(3)) return {at::empty_like(query), logsumexp};
+  return {at::empty({batch, heads, q_len, v_dim}, query.options()), logsumexp};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward_meta(const at::Tensor& grad_out, const at::Tensor& query,
@@ -75,8 +83,10 @@ TORCH_LIBRARY_IMPL(aten, Meta, m) {
   m.impl("_scaled_dot_product_flash_attention_for_cpu_backward", TORCH_FN(flash_backward_meta));
 }
 
-thread_local int depth = 0;
+}  // namespace
 
+namespace {
+thread_local int depth = 0;
 }  // namespace
 
 MetaMode::MetaMode() {
@@ -86,5 +96,7 @@ MetaMode::MetaMode() {
 MetaMode::~MetaMode() { --depth; }
 
 bool MetaMode::active() { return depth > 0; }
+
+void set_attention_layout(AttentionLayout layout) { g_cuda_attention_layout.store(layout == AttentionLayout::kCuda); }
 
 }  // namespace fsdp_plan

@@ -95,6 +95,20 @@ struct CollectiveRecord {
   std::string phase;  // the FSDP phase label current when it was issued
 };
 
+// One storage the simulated rank allocated.
+struct AllocationRecord {
+  int64_t bytes = 0;
+  // Sequence numbers of the allocation and the free in the run's event order
+  // (INT64_MAX: still alive).
+  int64_t allocated_at = 0;
+  int64_t freed_at = 0;
+  int64_t step = 0;  // 1-based; 0 = setup
+  StepPhase step_phase = StepPhase::kSetup;
+  std::string fsdp_phase;  // the innermost FSDP phase label, or empty
+  int stream = 0;          // 0 compute, 1 all-gather copy-in, 2 all-gather, 3 reduce-scatter, 4 all-reduce
+  std::string op;          // the ATen op that allocated it, when known
+};
+
 // The memory of the simulated rank over the steps run.
 struct MemoryReport {
   // The peak of the bytes the program's tensors held (storage sizes as
@@ -127,11 +141,12 @@ struct DryRunOptions {
   // replicas of S shard ranks, dims named "replicate" and "shard").
   std::vector<int64_t> mesh_shape;
   // Whose semantics the communicators follow (collectives/communicator.h):
-  // NCCL, as a CUDA job runs (in-place all-gather, native reductions), or
-  // Gloo, to compare with a CPU run; kGloo also allocates what this
-  // project's Gloo reduce-scatter allocates (the chunks received, as large
-  // as its input, from issue to wait: [Note: Gloo reduce-scatter] in
-  // collectives/src/communicator.cc).
+  // NCCL, as a CUDA job runs (in-place all-gather, native reductions; NCCL's
+  // own buffers are outside the caching allocator), or Gloo, to compare with
+  // a CPU run: then the engine's buffers are allocated as Gloo allocates
+  // them (an input-sized buffer per reduce-scatter until its wait; an
+  // output-sized one per all-gather, for an instant: dry_backend.cc), and
+  // attention is laid out as the CPU kernel lays it out (meta_mode.h).
   fsdp::collectives::BackendKind engine = fsdp::collectives::BackendKind::kNccl;
 };
 
@@ -160,6 +175,8 @@ class DryRun {
 
   MemoryReport memory() const;
   std::vector<CollectiveRecord> collectives() const;
+  // Every allocation so far, in order.
+  std::vector<AllocationRecord> allocations() const;
 
   struct Recorder;  // internal (dry_run.cc)
 

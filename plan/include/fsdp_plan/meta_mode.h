@@ -23,6 +23,9 @@
 //   input), as CPU and CUDA choose for causal attention without a mask,
 //   where on the meta device ATen would take the math path that
 //   materialises the attention matrix (and has no meta kernels).
+//   Its tensors are laid out as the CUDA kernel lays them out, or as the
+//   CPU kernel does (set_attention_layout), which decides whether a later
+//   reshape of the output copies.
 // Anything that needs values fails as on any meta tensor (Tensor::item(),
 // printing, data_ptr()). The mode is a dispatch-key fallback on
 // c10::DispatchKey::DeferredInit (PyTorch reserves that key for deferred
@@ -52,5 +55,10 @@ class MetaMode {
  private:
   std::optional<c10::impl::IncludeDispatchKeyGuard> include_;
 };
+
+// Whose flash-attention kernel MetaMode's attention models (process-wide;
+// default kCuda). A DryRun sets it from its engine: kCpu for Gloo.
+enum class AttentionLayout { kCuda, kCpu };
+void set_attention_layout(AttentionLayout layout);
 
 }  // namespace fsdp_plan
