@@ -223,6 +223,11 @@ const Cell* cell_of(const at::Tensor& t) {
 // check in, and need not.
 class DryStore final : public c10d::HashStore {
  public:
+  explicit DryStore(int world_size) : world_size_(world_size) {}
+  // Every simulated peer does what this rank does, at once: a counter reads
+  // as world size times this rank's additions (the divergence watchdog's
+  // count of stopped ranks, which rank 0 waits for at exit, included).
+  int64_t add(const std::string& key, int64_t value) override { return HashStore::add(key, value) * world_size_; }
   void wait(const std::vector<std::string>&) override {}
   void wait(const std::vector<std::string>&, const std::chrono::milliseconds&) override {}
   bool check(const std::vector<std::string>&) override { return true; }
@@ -233,6 +238,9 @@ class DryStore final : public c10d::HashStore {
                 "': a dry run simulates one rank, whose peers set nothing");
     return HashStore::get(key);
   }
+
+ private:
+  int64_t world_size_;
 };
 
 }  // namespace
@@ -288,8 +296,8 @@ DryRun::DryRun(DryRunOptions options) : options_(std::move(options)) {
   // The mesh, built before the meta mode starts: its rank layout is a CPU tensor.
   fsdp::collectives::RendezvousOptions rendezvous;
   rendezvous.divergence.strict = false;
-  auto world = fsdp::collectives::World::from_store(c10::make_intrusive<DryStore>(), o.rank, o.world_size, "dry run",
-                                                    rendezvous);
+  auto world = fsdp::collectives::World::from_store(c10::make_intrusive<DryStore>(o.world_size), o.rank, o.world_size,
+                                                    "dry run", rendezvous);
   const at::Tensor layout = at::arange(o.world_size, at::kLong).view(shape);
   Recorder* r = recorder_.get();
   auto group = [&](const at::Tensor& members) {
