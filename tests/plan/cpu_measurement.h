@@ -32,10 +32,19 @@ namespace fsdp_plan::test {
 class CpuMeasurement {
  public:
   CpuMeasurement() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    // The wrapper lives for the process and forwards to the CPU allocator it
+    // found first: a worker thread of the engine may still be inside it
+    // when a measurement ends.
+    static Wrapper* const wrapper = [] {
+      auto* w = new Wrapper;
+      w->inner = c10::GetAllocator(c10::kCPU);
+      c10::SetAllocator(c10::kCPU, w, /*priority=*/100);
+      return w;
+    }();
+    (void)wrapper;
     self_ = this;
-    inner_ = c10::GetAllocator(c10::kCPU);
-    wrapper_.owner = this;
-    c10::SetAllocator(c10::kCPU, &wrapper_, /*priority=*/100);
+    generation_ = ++generations_;
     heap_baseline_ = heap_peak_ = heap_live_bytes();
     handle_ = at::addGlobalCallback(
         at::RecordFunctionCallback(&enter, &exit)
@@ -43,7 +52,6 @@ class CpuMeasurement {
   }
   ~CpuMeasurement() {
     at::removeCallback(handle_);
-    c10::SetAllocator(c10::kCPU, inner_, /*priority=*/100);
     std::lock_guard<std::mutex> lock(mutex_);
     self_ = nullptr;
   }
@@ -75,14 +83,20 @@ class CpuMeasurement {
   struct Live {
     c10::DataPtr inner;
     int64_t index;
+    uint64_t generation = 0;
   };
   struct Wrapper final : c10::Allocator {
-    CpuMeasurement* owner = nullptr;
+    c10::Allocator* inner = nullptr;
     c10::DataPtr allocate(size_t n) override {
-      c10::DataPtr inner = owner->inner_->allocate(n);
-      void* data = inner.get();
-      if (data == nullptr) return inner;
+      c10::DataPtr block = inner->allocate(n);
+      void* data = block.get();
+      if (data == nullptr) return block;
       std::lock_guard<std::mutex> lock(mutex_);
+      CpuMeasurement* owner = self_;
+      if (owner == nullptr) {
+        live_blocks_[data] = Live{std::move(block), -1};
+        return {data, data, &release, c10::Device(c10::kCPU)};
+      }
       AllocationRecord r;
       r.bytes = static_cast<int64_t>(n);
       r.allocated_at = ++owner->seq_;
@@ -101,7 +115,7 @@ class CpuMeasurement {
           owner->peak_seq_ = r.allocated_at;
         }
       }
-      live_blocks_[data] = Live{std::move(inner), static_cast<int64_t>(owner->records_.size() - 1)};
+      live_blocks_[data] = Live{std::move(block), static_cast<int64_t>(owner->records_.size() - 1), owner->generation_};
       return {data, data, &release, c10::Device(c10::kCPU)};
     }
     c10::DeleterFnPtr raw_deleter() const override { return &release; }
@@ -114,7 +128,9 @@ class CpuMeasurement {
       auto it = live_blocks_.find(data);
       if (it == live_blocks_.end()) return;
       inner = std::move(it->second.inner);
-      if (CpuMeasurement* r = self_) {
+      CpuMeasurement* r = self_;
+      if (r != nullptr && it->second.index >= 0 && it->second.index < static_cast<int64_t>(r->records_.size()) &&
+          r->generation_ == it->second.generation) {
         AllocationRecord& rec = r->records_[static_cast<size_t>(it->second.index)];
         rec.freed_at = ++r->seq_;
         if (rec.stream == 0) r->live_ -= rec.bytes;
@@ -146,8 +162,8 @@ class CpuMeasurement {
   static inline thread_local std::vector<std::string> labels_, ops_;
   static inline std::map<void*, Live> live_blocks_;
   std::thread::id thread_ = std::this_thread::get_id();
-  c10::Allocator* inner_ = nullptr;
-  Wrapper wrapper_;
+  static inline uint64_t generations_ = 0;
+  uint64_t generation_ = 0;
   at::CallbackHandle handle_ = 0;
   std::vector<AllocationRecord> records_;
   int64_t seq_ = 0, live_ = 0, peak_ = 0, peak_seq_ = 0;
