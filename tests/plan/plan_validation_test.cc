@@ -6,8 +6,8 @@
 // tensors at the CPU run's peak (its allocations through the CPU allocator,
 // the Gloo engine's worker threads left out) against the dry run's tensor
 // bytes before the CUDA allocator's rounding; they must agree within 1% (at
-// 3 and 4 ranks, a race in Gloo can add up to two collective buffers to the
-// measurement: [Note: Gloo's late frees] below).
+// 2 ranks and more, a race in Gloo can add up to two collective buffers to
+// the measurement: [Note: Gloo's late frees] below).
 // The process's live heap bytes at the peak (malloc_counter's measure) are
 // printed beside them: they add what is not a tensor (autograd's graph,
 // tensor and storage objects, library caches), which no tensor-level model
@@ -66,16 +66,17 @@ TEST_P(PlanValidation, DryRunPeakMatchesCpuRunWithinOnePercent) {
       std::printf("world size %d rank %d %-9s predicted %10lld  measured tensors %10lld (%+.3f%%)  live heap %10lld\n",
                   world_size, ctx.rank(), name, static_cast<long long>(predicted.peak_bytes),
                   static_cast<long long>(tensors), 100 * error, static_cast<long long>(heap));
-      if (world_size <= 2) {
+      if (world_size == 1) {
         EXPECT_LT(std::abs(error), 0.01) << name << ": predicted " << predicted.peak_bytes << " bytes, measured "
                                          << tensors;
       } else {
-        // [Note: Gloo's late frees] At 3 and 4 ranks Gloo's worker thread
+        // [Note: Gloo's late frees] At 2 ranks and more Gloo's worker thread
         // sometimes holds the last reference to a finished collective's
         // tensors (its Work) after the program dropped its own, so a
         // collective's input and output can still be counted at the CPU peak:
-        // a race that only adds bytes (seen: +4% to +10% of the peak in about
-        // one run of three, at most 1.3 of the largest collective's buffer).
+        // a race that only adds bytes (seen at 3 and 4 ranks in about one run
+        // of three, +4% to +10% of the peak, at most 1.3 of the largest
+        // collective's buffer; at 2 ranks once in twenty, +3.5%).
         // The prediction must not exceed the measurement by more than 1%, nor
         // fall below it by more than two such buffers.
         EXPECT_GT(error, -0.01 - 2.0 * static_cast<double>(largest_collective) / static_cast<double>(tensors))
