@@ -194,6 +194,8 @@ void FSDPState::check_ranks_hold_the_same_model() const {
       }
     }
   }
+  // A meta mesh is a dry run's (fsdp_plan): one rank simulated, no peers to compare with.
+  if (mesh_.device_type() == c10::kMeta) return;
   PhaseScope phase("FSDP::lazy_init (model fingerprint)");
   for (int64_t dim = 0; dim < mesh_.ndim(); ++dim) {
     const auto& comm = mesh_.group(dim);

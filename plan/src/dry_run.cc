@@ -1,0 +1,421 @@
+#include "fsdp_plan/dry_run.h"
+
+#include <algorithm>
+#include <climits>
+#include <cstring>
+#include <mutex>
+#include <sstream>
+
+#include <ATen/ops/arange.h>
+#include <ATen/record_function.h>
+#include <c10/core/Allocator.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
+#include "collectives/world.h"
+#include "dry_backend.h"
+#include "fsdp_plan/caching_allocator.h"
+
+namespace fsdp_plan {
+
+std::string to_string(Holder holder) {
+  switch (holder) {
+    case Holder::kParameters: return "sharded parameters";
+    case Holder::kGradients: return "sharded gradients";
+    case Holder::kOptimizerState: return "optimizer state";
+    case Holder::kAllGather: return "all-gather buffers";
+    case Holder::kUnshardedParameters: return "unsharded parameters";
+    case Holder::kReduceScatter: return "reduce-scatter buffers";
+    case Holder::kUnreducedGradients: return "unreduced gradients";
+    case Holder::kActivations: return "activations";
+    case Holder::kTemporaries: return "temporaries";
+  }
+  return "?";
+}
+
+std::string to_string(StepPhase phase) {
+  switch (phase) {
+    case StepPhase::kSetup: return "setup";
+    case StepPhase::kForward: return "forward";
+    case StepPhase::kBackward: return "backward";
+    case StepPhase::kOptimizer: return "optimizer";
+  }
+  return "?";
+}
+
+namespace {
+
+bool starts_with(const std::string& s, const char* prefix) { return s.rfind(prefix, 0) == 0; }
+
+// The FSDP phase a label names, without its module: "FSDP::all_gather (layers.3)" -> "FSDP::all_gather".
+std::string phase_of(const std::string& label) { return label.substr(0, label.find(' ')); }
+
+// The CUDA stream FSDP2 makes a phase's buffers on, as the caching
+// allocator's pools are per stream: copy-in on the all-gather copy-in stream
+// (FSDP2's foreach_all_gather allocates the all-gather input and output there),
+// the reduce-scatter's output on the reduce-scatter stream, the HSDP
+// all-reduce's on the all-reduce stream; everything else on the compute
+// (current) stream.
+int stream_of(const std::string& phase) {
+  if (phase == "FSDP::all_gather_copy_in") return 1;
+  if (phase == "FSDP::all_gather") return 2;
+  if (phase == "FSDP::reduce_scatter") return 3;
+  if (phase == "FSDP::all_reduce") return 4;
+  return 0;
+}
+
+std::optional<Holder> holder_of_phase(const std::string& phase) {
+  if (phase == "FSDP::all_gather_copy_in" || phase == "FSDP::all_gather") return Holder::kAllGather;
+  if (phase == "FSDP::all_gather_copy_out") return Holder::kUnshardedParameters;
+  if (phase == "FSDP::reduce_scatter_copy_in" || phase == "FSDP::reduce_scatter" || phase == "FSDP::all_reduce" ||
+      phase == "FSDP::post_backward_reduce") {
+    return Holder::kReduceScatter;
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+struct DryRun::Recorder {
+  struct Allocation {
+    int64_t bytes = 0;
+    int64_t allocated_at = 0;  // event sequence numbers
+    int64_t freed_at = INT64_MAX;
+    int64_t step = 0;
+    StepPhase step_phase = StepPhase::kSetup;
+    std::string fsdp_phase;  // label, e.g. "FSDP::all_gather_copy_in (layers.3)"
+    std::optional<Holder> mark;
+    CachingAllocatorModel::Handle block = -1;
+    int stream = 0;
+    std::string op;
+  };
+
+  mutable std::mutex mutex;
+  uint64_t generation = 0;
+  std::vector<Allocation> allocations;
+  std::vector<std::string> phase_stack;  // FSDP labels, innermost last
+  int64_t seq = 0;
+  int64_t live = 0, peak = 0, peak_seq = 0;
+  int64_t step = 0;
+  StepPhase step_phase = StepPhase::kSetup;
+  std::vector<int64_t> backward_start;  // per step (index step - 1): the sequence number
+  std::vector<int64_t> step_peaks;
+  CachingAllocatorModel cuda;
+  std::vector<CollectiveRecord> collectives;
+  std::vector<torch::Tensor> tracked;  // parameters
+  const std::string& current_phase() const {
+    static const std::string none;
+    return phase_stack.empty() ? none : phase_stack.back();
+  }
+  // Marks the live allocation behind `t` (when it is one of ours).
+  void mark(const at::Tensor& t, Holder holder, bool only_unmarked);
+  void mark_live_optimizer_state();
+};
+
+namespace {
+
+// The process's one recorder (one DryRun at a time); null when none.
+std::mutex g_mutex;
+DryRun::Recorder* g_recorder = nullptr;
+uint64_t g_generation = 0;
+
+struct Cell {
+  uint64_t generation;
+  int64_t index;
+};
+
+void on_free(void* ctx) {
+  std::unique_ptr<Cell> cell(static_cast<Cell*>(ctx));
+  std::lock_guard<std::mutex> lock(g_mutex);
+  DryRun::Recorder* r = g_recorder;
+  if (r == nullptr || r->generation != cell->generation) return;
+  auto& a = r->allocations[static_cast<size_t>(cell->index)];
+  a.freed_at = ++r->seq;
+  r->live -= a.bytes;
+  r->cuda.free(a.block);
+}
+
+// The ATen ops running on this thread, innermost last (for the records).
+thread_local std::vector<const char*> t_ops;
+
+// The meta device's allocator: as ATen's (no memory, a null pointer), and
+// while a DryRun lives it records the allocation, whose DataPtr context
+// records the free.
+class RecordingMetaAllocator final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(size_t nbytes) override {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    DryRun::Recorder* r = g_recorder;
+    if (r == nullptr || nbytes == 0) return {nullptr, nullptr, &noop, c10::Device(c10::kMeta)};
+    DryRun::Recorder::Allocation a;
+    a.bytes = static_cast<int64_t>(nbytes);
+    a.allocated_at = ++r->seq;
+    a.step = r->step;
+    a.step_phase = r->step_phase;
+    a.fsdp_phase = r->current_phase();
+    a.stream = stream_of(phase_of(a.fsdp_phase));
+    a.block = r->cuda.allocate(a.bytes, a.stream);
+    if (!t_ops.empty()) a.op = t_ops.back();
+    r->live += a.bytes;
+    if (r->live > r->peak) {
+      r->peak = r->live;
+      r->peak_seq = a.allocated_at;
+    }
+    if (r->step > 0) {
+      auto& step_peak = r->step_peaks[static_cast<size_t>(r->step - 1)];
+      step_peak = std::max(step_peak, r->live);
+    }
+    r->allocations.push_back(std::move(a));
+    auto* cell = new Cell{r->generation, static_cast<int64_t>(r->allocations.size() - 1)};
+    return {nullptr, cell, &on_free, c10::Device(c10::kMeta)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+  void copy_data(void*, const void*, std::size_t) const override {}
+
+ private:
+  static void noop(void*) {}
+};
+
+RecordingMetaAllocator g_meta_allocator;
+
+// FSDP phase labels reach us as RecordFunction user scopes (phase.h opens
+// one for each phase when any callback is registered).
+std::unique_ptr<at::ObserverContext> on_scope_enter(const at::RecordFunction& fn) {
+  if (fn.scope() != at::RecordScope::USER_SCOPE) {
+    t_ops.push_back(fn.name());
+    return nullptr;
+  }
+  if (std::strncmp(fn.name(), "FSDP::", 6) != 0) return nullptr;
+  const std::string label = fn.name();
+  std::lock_guard<std::mutex> lock(g_mutex);
+  DryRun::Recorder* r = g_recorder;
+  if (r == nullptr) return nullptr;
+  r->phase_stack.push_back(label);
+  if (phase_of(label) == "FSDP::post_backward") {
+    // The group's full gradients, about to be reduced.
+    for (const at::Tensor& p : r->tracked) {
+      if (p.grad().defined()) r->mark(p.grad(), Holder::kUnreducedGradients, /*only_unmarked=*/true);
+    }
+  }
+  return nullptr;
+}
+
+void on_scope_exit(const at::RecordFunction& fn, at::ObserverContext*) {
+  if (fn.scope() != at::RecordScope::USER_SCOPE) {
+    if (!t_ops.empty()) t_ops.pop_back();
+    return;
+  }
+  if (std::strncmp(fn.name(), "FSDP::", 6) != 0) return;
+  std::lock_guard<std::mutex> lock(g_mutex);
+  DryRun::Recorder* r = g_recorder;
+  if (r == nullptr || r->phase_stack.empty()) return;
+  r->phase_stack.pop_back();
+}
+
+const Cell* cell_of(const at::Tensor& t) {
+  if (!t.defined() || !t.has_storage()) return nullptr;
+  const c10::DataPtr& ptr = t.storage().data_ptr();
+  if (ptr.get_deleter() != &on_free) return nullptr;
+  return static_cast<const Cell*>(ptr.get_context());
+}
+
+// A store whose waits return at once: the simulated rank's peers never
+// check in, and need not.
+class DryStore final : public c10d::HashStore {
+ public:
+  explicit DryStore(int world_size) : world_size_(world_size) {}
+  // Every simulated peer does what this rank does, at once: a counter reads
+  // as world size times this rank's additions (the divergence watchdog's
+  // count of stopped ranks, which rank 0 waits for at exit, included).
+  int64_t add(const std::string& key, int64_t value) override { return HashStore::add(key, value) * world_size_; }
+  void wait(const std::vector<std::string>&) override {}
+  void wait(const std::vector<std::string>&, const std::chrono::milliseconds&) override {}
+  bool check(const std::vector<std::string>&) override { return true; }
+  // A key no simulated peer will ever set (a diagnosis asking the peers for
+  // their flight records): fail at once instead of waiting for it.
+  std::vector<uint8_t> get(const std::string& key) override {
+    TORCH_CHECK(HashStore::check({key}), "fsdp_plan: the dry run's store has no key '", key,
+                "': a dry run simulates one rank, whose peers set nothing");
+    return HashStore::get(key);
+  }
+
+ private:
+  int64_t world_size_;
+};
+
+}  // namespace
+
+void DryRun::Recorder::mark(const at::Tensor& t, Holder holder, bool only_unmarked) {
+  const Cell* cell = cell_of(t);
+  if (cell == nullptr || cell->generation != generation) return;
+  Allocation& a = allocations[static_cast<size_t>(cell->index)];
+  if (a.freed_at != INT64_MAX) return;
+  if (only_unmarked && (a.mark || holder_of_phase(phase_of(a.fsdp_phase)))) return;
+  a.mark = holder;
+}
+
+void DryRun::Recorder::mark_live_optimizer_state() {
+  for (Allocation& a : allocations) {
+    if (a.freed_at == INT64_MAX && !a.mark && a.step_phase == StepPhase::kOptimizer) a.mark = Holder::kOptimizerState;
+  }
+}
+
+DryRun::DryRun(DryRunOptions options) : options_(std::move(options)) {
+  const DryRunOptions& o = options_;
+  TORCH_CHECK(o.world_size >= 1, "fsdp_plan: DryRunOptions::world_size is ", o.world_size, "; it must be at least 1");
+  TORCH_CHECK(o.rank >= 0 && o.rank < o.world_size, "fsdp_plan: DryRunOptions::rank ", o.rank,
+              " is out of range for world size ", o.world_size, " (expected 0 <= rank < world_size)");
+  std::vector<int64_t> shape = o.mesh_shape.empty() ? std::vector<int64_t>{o.world_size} : o.mesh_shape;
+  TORCH_CHECK(shape.size() == 1 || shape.size() == 2, "fsdp_plan: DryRunOptions::mesh_shape has ", shape.size(),
+              " dims; give {} or {world_size} for FSDP, {replicate, shard} for HSDP");
+  int64_t ranks = 1;
+  for (int64_t s : shape) {
+    TORCH_CHECK(s >= 1, "fsdp_plan: DryRunOptions::mesh_shape has a dim of size ", s, "; every dim must be >= 1");
+    ranks *= s;
+  }
+  TORCH_CHECK(ranks == o.world_size, "fsdp_plan: DryRunOptions::mesh_shape [", c10::Join(", ", shape), "] holds ",
+              ranks, " ranks, but world_size is ", o.world_size, "; their product must equal the world size");
+  TORCH_CHECK(o.engine == fsdp::collectives::BackendKind::kNccl || o.engine == fsdp::collectives::BackendKind::kGloo,
+              "fsdp_plan: DryRunOptions::engine must be kNccl or kGloo (got ", fsdp::collectives::to_string(o.engine),
+              ")");
+
+  static std::once_flag installed;
+  std::call_once(installed, [] { c10::SetAllocator(c10::kMeta, &g_meta_allocator, /*priority=*/1); });
+
+  recorder_ = std::make_shared<Recorder>();
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    TORCH_CHECK(g_recorder == nullptr, "fsdp_plan: another DryRun is alive in this process; one at a time");
+    recorder_->generation = ++g_generation;
+    g_recorder = recorder_.get();
+  }
+  callback_ = at::addGlobalCallback(
+      at::RecordFunctionCallback(&on_scope_enter, &on_scope_exit)
+          .scopes({at::RecordScope::USER_SCOPE, at::RecordScope::FUNCTION, at::RecordScope::BACKWARD_FUNCTION}));
+
+  // The mesh, built before the meta mode starts: its rank layout is a CPU tensor.
+  fsdp::collectives::RendezvousOptions rendezvous;
+  rendezvous.divergence.strict = false;
+  auto world = fsdp::collectives::World::from_store(c10::make_intrusive<DryStore>(o.world_size), o.rank, o.world_size,
+                                                    "dry run", rendezvous);
+  const at::Tensor layout = at::arange(o.world_size, at::kLong).view(shape);
+  Recorder* r = recorder_.get();
+  auto group = [&](const at::Tensor& members) {
+    std::vector<int> global;
+    for (int64_t i = 0; i < members.numel(); ++i) global.push_back(static_cast<int>(members[i].item<int64_t>()));
+    const int group_rank = static_cast<int>(std::find(global.begin(), global.end(), o.rank) - global.begin());
+    const std::string name =
+        fsdp::collectives::to_string(o.engine) + "[" +
+        (global.size() <= 8 ? c10::Join(",", global) : c10::str(global.front(), ",...,", global.back())) + "]";
+    const int size = static_cast<int>(global.size());
+    auto backend = detail::make_dry_backend(
+        group_rank, size, o.engine == fsdp::collectives::BackendKind::kGloo,
+        [r, name, size](const char* op, int64_t bytes) {
+          std::lock_guard<std::mutex> lock(g_mutex);
+          if (g_recorder != r) return;
+          r->collectives.push_back(CollectiveRecord{op, name, size, bytes, r->step, r->current_phase()});
+        });
+    return std::make_shared<fsdp::collectives::Communicator>(std::move(backend), o.engine, c10::kMeta, group_rank,
+                                                             global, fsdp::collectives::CommunicatorOptions{});
+  };
+  if (shape.size() == 1) {
+    mesh_.emplace(fsdp::DeviceMesh::from_communicators(world, layout, {group(layout)}, {"shard"}));
+  } else {
+    const int64_t row = o.rank / shape[1], column = o.rank % shape[1];
+    mesh_.emplace(fsdp::DeviceMesh::from_communicators(
+        world, layout, {group(layout.select(1, column).contiguous()), group(layout.select(0, row).contiguous())},
+        {"replicate", "shard"}));
+  }
+  set_attention_layout(o.engine == fsdp::collectives::BackendKind::kGloo ? AttentionLayout::kCpu
+                                                                         : AttentionLayout::kCuda);
+  meta_.emplace();
+}
+
+DryRun::~DryRun() {
+  meta_.reset();
+  at::removeCallback(callback_);
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (g_recorder == recorder_.get()) g_recorder = nullptr;
+}
+
+void DryRun::track(std::shared_ptr<torch::nn::Module> model) {
+  TORCH_CHECK(model != nullptr, "fsdp_plan: DryRun::track: the model is null");
+  model_ = std::move(model);
+  std::lock_guard<std::mutex> lock(g_mutex);
+  Recorder& r = *recorder_;
+  r.tracked = model_->parameters();
+  for (const at::Tensor& p : r.tracked) r.mark(p, Holder::kParameters, /*only_unmarked=*/false);
+  for (const at::Tensor& b : model_->buffers()) r.mark(b, Holder::kParameters, /*only_unmarked=*/false);
+}
+
+void DryRun::begin(StepPhase phase) {
+  TORCH_CHECK(phase != StepPhase::kSetup,
+              "fsdp_plan: DryRun::begin: kSetup is where a dry run starts, not a step phase");
+  std::lock_guard<std::mutex> lock(g_mutex);
+  Recorder& r = *recorder_;
+  if (phase == StepPhase::kForward) {
+    r.mark_live_optimizer_state();
+    ++r.step;
+    r.step_peaks.push_back(r.live);
+    r.backward_start.push_back(INT64_MAX);
+  }
+  TORCH_CHECK(r.step > 0, "fsdp_plan: DryRun::begin(", to_string(phase),
+              ") before begin(kForward): a step starts with its forward");
+  if (phase == StepPhase::kBackward) r.backward_start.back() = r.seq;
+  if (phase == StepPhase::kOptimizer) {
+    for (const at::Tensor& p : r.tracked) {
+      if (p.grad().defined()) r.mark(p.grad(), Holder::kGradients, /*only_unmarked=*/false);
+    }
+  }
+  r.step_phase = phase;
+}
+
+MemoryReport DryRun::memory() const {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  Recorder& r = *recorder_;
+  r.mark_live_optimizer_state();
+  MemoryReport report;
+  report.peak_bytes = r.peak;
+  report.peak_allocated = r.cuda.peak_allocated();
+  report.peak_reserved = r.cuda.peak_reserved();
+  report.step_peaks = r.step_peaks;
+  report.end_bytes = r.live;
+  report.allocations = static_cast<int64_t>(r.allocations.size());
+  for (const auto& a : r.allocations) {
+    if (a.allocated_at == r.peak_seq) {
+      report.peak_step = a.step;
+      report.peak_step_phase = a.step_phase;
+      report.peak_fsdp_phase = a.fsdp_phase;
+    }
+    if (a.allocated_at > r.peak_seq || a.freed_at <= r.peak_seq) continue;
+    Holder holder = Holder::kTemporaries;
+    if (a.mark) {
+      holder = *a.mark;
+    } else if (auto by_phase = holder_of_phase(phase_of(a.fsdp_phase))) {
+      holder = *by_phase;
+    } else if (a.step == 0) {
+      holder = Holder::kParameters;
+    } else if (a.step_phase == StepPhase::kForward && a.freed_at > r.backward_start[static_cast<size_t>(a.step - 1)]) {
+      holder = Holder::kActivations;
+    }
+    report.peak_by_holder[static_cast<size_t>(holder)] += a.bytes;
+  }
+  return report;
+}
+
+std::vector<AllocationRecord> DryRun::allocations() const {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  std::vector<AllocationRecord> out;
+  out.reserve(recorder_->allocations.size());
+  for (const auto& a : recorder_->allocations) {
+    out.push_back({a.bytes, a.allocated_at, a.freed_at, a.step, a.step_phase, a.fsdp_phase, a.stream, a.op});
+  }
+  return out;
+}
+
+std::vector<CollectiveRecord> DryRun::collectives() const {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  return recorder_->collectives;
+}
+
+}  // namespace fsdp_plan

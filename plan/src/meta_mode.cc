@@ -1,0 +1,102 @@
+#include "fsdp_plan/meta_mode.h"
+
+#include <atomic>
+#include <cstring>
+#include <tuple>
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/ivalue.h>
+#include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+namespace fsdp_plan {
+namespace {
+
+constexpr c10::DispatchKey kModeKey = c10::DispatchKey::DeferredInit;
+
+void meta_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  const c10::FunctionSchema& schema = op.schema();
+  const std::vector<c10::Argument>& args = schema.arguments();
+  const size_t base = stack->size() - args.size();
+  if (schema.name() == "aten::scaled_dot_product_attention" && schema.overload_name().empty() &&
+      (*stack)[base + 3].isNone() && (*stack)[base + 4].toDouble() == 0.0) {
+    // ATen chooses the kernel for CPU and CUDA tensors only, and takes the
+    // math path for meta ones; without a mask or dropout both choose flash.
+    const at::Tensor query = (*stack)[base].toTensor(), key = (*stack)[base + 1].toTensor(),
+                     value = (*stack)[base + 2].toTensor();
+    const bool is_causal = (*stack)[base + 5].toBool();
+    const std::optional<double> scale = (*stack)[base + 6].toOptional<double>();
+    torch::jit::drop(*stack, args.size());
+    stack->emplace_back(std::get<0>(
+        at::_scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, is_causal, std::nullopt, scale)));
+    return;
+  }
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& name = args[i].name();
+    if (name == "device") (*stack)[base + i] = c10::IValue(c10::Device(c10::kMeta));
+    if (name == "pin_memory" && !(*stack)[base + i].isNone()) (*stack)[base + i] = c10::IValue(false);
+  }
+  op.redispatchBoxed(keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kModeKey), stack);
+}
+
+TORCH_LIBRARY_IMPL(_, DeferredInit, m) { m.fallback(torch::CppFunction::makeFromBoxedFunction<&meta_fallback>()); }
+
+// Meta kernels of flash attention. The output's layout is the kernel's: the
+// CPU kernel (aten/src/ATen/native/transformers/attention.cpp,
+// _scaled_dot_product_flash_attention_cpu) returns empty_like(query),
+// [batch, heads, seq, head_dim], so the usual out.transpose(1, 2).reshape()
+// back to [batch, seq, dim] copies it; CUDA's flash kernel writes
+// [batch, seq, heads, head_dim] and returns it transposed, so that reshape is
+// a view. The log-sum-exp is [batch, heads, seq] in float32 (float for bf16
+// and fp16 inputs). Backward makes one gradient like each input. Not
+// modelled: the CPU kernel's per-thread scratch (tens of KiB, freed within
+// the op) and CUDA's float32 dq accumulator in backward.
+std::atomic<bool> g_cuda_attention_layout{true};
+
+std::tuple<at::Tensor, at::Tensor> flash_forward_meta(const at::Tensor& query, const at::Tensor& key,
+                                                      const at::Tensor& value, double dropout_p, bool is_causal,
+                                                      const std::optional<at::Tensor>& attn_mask,
+                                                      std::optional<double> scale) {
+  const int64_t batch = query.size(0), heads = query.size(1), q_len = query.size(2), v_dim = value.size(3);
+  const c10::ScalarType acc = at::isReducedFloatingType(query.scalar_type()) ? at::kFloat : query.scalar_type();
+  at::Tensor logsumexp = at::empty({batch, heads, q_len}, query.options().dtype(acc));
+  if (g_cuda_attention_layout.load()) {
+    return {at::empty({batch, q_len, heads, v_dim}, query.options()).transpose(1, 2), logsumexp};
+  }
+  if (v_dim == query.size(3)) return {at::empty_like(query), logsumexp};
+  return {at::empty({batch, heads, q_len, v_dim}, query.options()), logsumexp};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward_meta(const at::Tensor& grad_out, const at::Tensor& query,
+                                                                   const at::Tensor& key, const at::Tensor& value,
+                                                                   const at::Tensor& out, const at::Tensor& logsumexp,
+                                                                   double dropout_p, bool is_causal,
+                                                                   const std::optional<at::Tensor>& attn_mask,
+                                                                   std::optional<double> scale) {
+  return {at::empty_like(query), at::empty_like(key), at::empty_like(value)};
+}
+
+TORCH_LIBRARY_IMPL(aten, Meta, m) {
+  m.impl("_scaled_dot_product_flash_attention_for_cpu", TORCH_FN(flash_forward_meta));
+  m.impl("_scaled_dot_product_flash_attention_for_cpu_backward", TORCH_FN(flash_backward_meta));
+}
+
+}  // namespace
+
+namespace {
+thread_local int depth = 0;
+}  // namespace
+
+MetaMode::MetaMode() {
+  if (depth++ == 0) include_.emplace(kModeKey);
+}
+
+MetaMode::~MetaMode() { --depth; }
+
+bool MetaMode::active() { return depth > 0; }
+
+void set_attention_layout(AttentionLayout layout) { g_cuda_attention_layout.store(layout == AttentionLayout::kCuda); }
+
+}  // namespace fsdp_plan

@@ -1,0 +1,230 @@
+// The planner in one process: the caching allocator model's rules, the dry
+// run's exact prediction for a model small enough to add up by hand, the
+// simulation of large jobs (1,024 ranks, HSDP), the errors, and the tool's
+// batch search.
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <ATen/ops/randn.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/adamw.h>
+
+#include "fsdp2/fully_shard.h"
+#include "fsdp_plan/caching_allocator.h"
+#include "fsdp_plan/dry_run.h"
+#include "trainer_plan.h"
+
+namespace fsdp_plan::test {
+namespace {
+
+using ::testing::HasSubstr;
+
+TEST(PlanCachingAllocator, RoundsSmallRequestsTo512Bytes) {
+  EXPECT_EQ(round_size(1), 512);
+  EXPECT_EQ(round_size(512), 512);
+  EXPECT_EQ(round_size(513), 1024);
+  EXPECT_EQ(round_size(3 << 20), 3 << 20);
+}
+
+TEST(PlanCachingAllocator, SegmentsAre2MiB20MiBOrRoundedTo2MiB) {
+  EXPECT_EQ(segment_size(512), 2 << 20);      // small pool
+  EXPECT_EQ(segment_size(1 << 20), 2 << 20);  // the largest small request
+  EXPECT_EQ(segment_size((1 << 20) + 512), 20 << 20);
+  EXPECT_EQ(segment_size(10 << 20), 10 << 20);  // kMinLargeAlloc and up: rounded to 2 MiB
+  EXPECT_EQ(segment_size((10 << 20) + 1), 12 << 20);
+}
+
+TEST(PlanCachingAllocator, SplitsReusesAndMergesBlocksPerStream) {
+  CachingAllocatorModel cuda;
+  const auto a = cuda.allocate(3 << 20, 0);  // cut from a new 20 MiB segment
+  const auto b = cuda.allocate(3 << 20, 0);  // from its remainder
+  EXPECT_EQ(cuda.reserved(), 20 << 20);
+  EXPECT_EQ(cuda.allocated(), 6 << 20);
+  cuda.free(a);
+  cuda.free(b);  // merged back into one free 20 MiB block
+  const auto c = cuda.allocate(15 << 20, 0);
+  EXPECT_EQ(cuda.reserved(), 20 << 20);   // reused, no new segment
+  const auto d = cuda.allocate(1000, 1);  // another stream: its own segment
+  EXPECT_EQ(cuda.reserved(), (20 << 20) + (2 << 20));
+  cuda.free(c);
+  // A large block is split only when more than 1 MiB would remain, so 19.5
+  // MiB out of the 20 MiB block is handed out whole: allocated counts 20 MiB.
+  const auto e = cuda.allocate((19 << 20) + (1 << 19), 0);
+  EXPECT_EQ(cuda.allocated(), (20 << 20) + 1024);
+  EXPECT_EQ(cuda.peak_allocated(), (20 << 20) + 1024);
+  cuda.free(d);
+  cuda.free(e);
+  EXPECT_EQ(cuda.allocated(), 0);
+}
+
+struct LinearBlockImpl : torch::nn::Module {
+  LinearBlockImpl() : fc(register_module("fc", torch::nn::Linear(torch::nn::LinearOptions(64, 64).bias(false)))) {}
+  at::Tensor forward(const at::Tensor& x) { return fc(x); }
+  torch::nn::Linear fc;
+};
+FSDP2CPP_MODULE(LinearBlock);
+
+struct TwoBlocks : torch::nn::Module {
+  TwoBlocks() : b0(register_module("b0", LinearBlock())), b1(register_module("b1", LinearBlock())) {}
+  at::Tensor forward(const at::Tensor& x) { return b1(b0(x)); }
+  LinearBlock b0, b1;
+};
+
+MemoryReport two_blocks_at_world_size_2() {
+  DryRunOptions options;
+  options.world_size = 2;
+  DryRun dry(options);
+  auto model = std::make_shared<TwoBlocks>();
+  fsdp::FullyShardOptions opts;
+  opts.mesh = dry.mesh();
+  fsdp::fully_shard(model->b0, opts);
+  fsdp::fully_shard(model->b1, opts);
+  fsdp::fully_shard(model, opts);
+  torch::optim::AdamW optim(model->parameters(), 1e-3);
+  dry.track(model);
+  for (int step = 0; step < 2; ++step) {
+    dry.begin(StepPhase::kForward);
+    optim.zero_grad();
+    at::Tensor loss = fsdp::call_module(*model, at::randn({8, 64})).sum();
+    dry.begin(StepPhase::kBackward);
+    loss.backward();
+    loss.reset();
+    dry.begin(StepPhase::kOptimizer);
+    optim.step();
+  }
+  return dry.memory();
+}
+
+// Two bias-free Linear(64, 64) blocks, each its own group, AdamW, 8 rows of
+// input, NCCL semantics (the all-gather in place in its output), rank 0 of
+// 2. A weight is 64 x 64 x 4 = 16,384 bytes; a shard 8,192. The peak falls
+// in step 2's backward, when block 0's parameters are copied out of their
+// all-gather (block 1 is done: its gradient reduce-scattered):
+//   sharded parameters       2 x 8,192                       16,384
+//   AdamW's two moments      2 x 2 x 8,192                   32,768
+//   block 0's all-gather output (freed after the copy-out)   16,384
+//   block 0's unsharded weight (the copy-out)                16,384
+//   block 1's reduce-scatter input (kept until the next
+//     group's reduce-scatter begins: one input in flight)    16,384
+//   block 1's sharded gradient (the reduce-scatter output)    8,192
+//   the input x, saved by block 0's matmul                    2,048
+//   the gradient reaching block 0's output                    2,048
+//   the loss and its gradient (two scalars)                       8
+//                                                    total  110,600
+// max_memory_allocated rounds each block to 512 bytes (the scalars take 512
+// each): 111,616. Reserved: one 2 MiB small-pool segment on the compute
+// stream and one on the all-gather copy-in stream.
+// Any change to when the runtime frees one of these buffers (an all-gather
+// output kept one block longer, a reduce-scatter input freed earlier)
+// changes these numbers.
+TEST(PlanDryRun, PredictsThePeakOfTwoLinearBlocksAtWorldSize2ToTheByte) {
+  const MemoryReport r = two_blocks_at_world_size_2();
+  EXPECT_EQ(r.peak_bytes, 110600);
+  EXPECT_EQ(r.peak_allocated, 111616);
+  EXPECT_EQ(r.peak_reserved, 2 * (2 << 20));
+  EXPECT_EQ(r.peak_step, 2);
+  EXPECT_EQ(r.peak_step_phase, StepPhase::kBackward);
+  EXPECT_EQ(r.peak_fsdp_phase, "FSDP::all_gather_copy_out (b0)");
+  const auto held = [&](Holder h) { return r.peak_by_holder[static_cast<size_t>(h)]; };
+  EXPECT_EQ(held(Holder::kParameters), 16384);
+  EXPECT_EQ(held(Holder::kOptimizerState), 32768);
+  EXPECT_EQ(held(Holder::kAllGather), 16384);
+  EXPECT_EQ(held(Holder::kUnshardedParameters), 16384);
+  EXPECT_EQ(held(Holder::kReduceScatter), 16384);
+  EXPECT_EQ(held(Holder::kGradients), 8192);
+  EXPECT_EQ(held(Holder::kActivations), 2048 + 4);   // x and the loss, alive when backward starts
+  EXPECT_EQ(held(Holder::kTemporaries), 2048 + 4);   // the gradient into block 0, the loss's gradient
+  EXPECT_EQ(r.end_bytes, 16384 + 32768 + 2 * 8192);  // shards, moments, sharded gradients
+}
+
+fsdp_train::TrainConfig small_trainer() {
+  fsdp_train::TrainConfig c;
+  c.layers = 2;
+  c.dim = 64;
+  c.heads = 4;
+  c.seq_len = 32;
+  return c;
+}
+
+TEST(PlanDryRun, SimulatesOneRankOfAThousandAndTwentyFour) {
+  DryRunOptions options;
+  options.world_size = 1024;
+  options.rank = 1023;
+  const fsdp_plan_tool::TrainerPlan plan = fsdp_plan_tool::plan_trainer(small_trainer(), options, 1, 2);
+  // 256 x 64 embedding rows and output rows shard 1 per rank at most: rank
+  // 1023 holds what torch.chunk gives it, most of the model on few ranks.
+  EXPECT_LT(plan.local_parameters, plan.parameters / 100);
+  bool saw_world_group = false;
+  for (const auto& c : plan.collectives) saw_world_group = saw_world_group || c.group_size == 1024;
+  EXPECT_TRUE(saw_world_group);
+  EXPECT_GT(plan.memory.peak_bytes, 0);
+}
+
+TEST(PlanDryRun, HsdpAllReducesAcrossReplicas) {
+  fsdp_train::TrainConfig c = small_trainer();
+  c.mesh = "2x4";
+  DryRunOptions options;
+  options.world_size = 8;
+  const fsdp_plan_tool::TrainerPlan plan = fsdp_plan_tool::plan_trainer(c, options, 1, 1);
+  int all_reduces = 0, reduce_scatters = 0;
+  for (const auto& rec : plan.collectives) {
+    if (rec.op == "all_reduce" && rec.group_size == 2) ++all_reduces;
+    if (rec.op.rfind("reduce_scatter", 0) == 0 && rec.group_size == 4) ++reduce_scatters;
+  }
+  EXPECT_EQ(all_reduces, 3);  // one per group: two blocks and the root
+  EXPECT_EQ(reduce_scatters, 3);
+}
+
+TEST(PlanDryRun, MixedPrecisionShrinksTheUnshardedParameters) {
+  DryRunOptions options;
+  options.world_size = 8;
+  fsdp_train::TrainConfig c = small_trainer();
+  const auto fp32 = fsdp_plan_tool::plan_trainer(c, options, 2, 2).memory;
+  c.param_dtype = "bf16";
+  const auto bf16 = fsdp_plan_tool::plan_trainer(c, options, 2, 2).memory;
+  EXPECT_LT(bf16.peak_by_holder[static_cast<size_t>(Holder::kUnshardedParameters)],
+            fp32.peak_by_holder[static_cast<size_t>(Holder::kUnshardedParameters)]);
+}
+
+TEST(PlanDryRun, ActivationCheckpointingLowersThePeak) {
+  DryRunOptions options;
+  options.world_size = 4;
+  fsdp_train::TrainConfig c = small_trainer();
+  c.seq_len = 64;
+  const auto plain = fsdp_plan_tool::plan_trainer(c, options, 8, 1).memory;
+  c.ac = "full";
+  const auto checkpointed = fsdp_plan_tool::plan_trainer(c, options, 8, 1).memory;
+  EXPECT_LT(checkpointed.peak_by_holder[static_cast<size_t>(Holder::kActivations)],
+            plain.peak_by_holder[static_cast<size_t>(Holder::kActivations)]);
+  EXPECT_LT(checkpointed.peak_bytes, plain.peak_bytes);
+}
+
+TEST(PlanDryRun, RejectsInconsistentOptionsNamingThem) {
+  DryRunOptions options;
+  options.world_size = 8;
+  options.mesh_shape = {3, 2};
+  EXPECT_THAT([&] { DryRun dry(options); }, ::testing::ThrowsMessage<c10::Error>(HasSubstr("mesh_shape")));
+  options.mesh_shape = {};
+  options.rank = 8;
+  EXPECT_THAT([&] { DryRun dry(options); }, ::testing::ThrowsMessage<c10::Error>(HasSubstr("rank 8")));
+  options.rank = 0;
+  DryRun first(options);
+  EXPECT_THAT([&] { DryRun second(options); }, ::testing::ThrowsMessage<c10::Error>(HasSubstr("another DryRun")));
+}
+
+TEST(PlanTool, LargestLocalBatchFitsAndTheNextDoesNot) {
+  DryRunOptions options;
+  options.world_size = 4;
+  const fsdp_train::TrainConfig c = small_trainer();
+  const int64_t budget = 8 << 20;
+  const int64_t batch = fsdp_plan_tool::largest_local_batch(c, options, budget);
+  ASSERT_GT(batch, 0);
+  EXPECT_LE(fsdp_plan_tool::plan_trainer(c, options, batch, 2).memory.peak_reserved, budget);
+  EXPECT_GT(fsdp_plan_tool::plan_trainer(c, options, batch + 1, 2).memory.peak_reserved, budget);
+}
+
+}  // namespace
+}  // namespace fsdp_plan::test

@@ -1,0 +1,214 @@
+// fsdp_plan: will the trainer's model fit, at any world size? A dry run of
+// the trainer's own fully_shard runtime for one rank of a job of
+// --world-size ranks (docs/planning.md):
+//
+//   fsdp_plan --world-size 128 --layers 32 --dim 4096 --heads 32 --seq-len 8192 \
+//             --global-batch 256 --param-dtype bf16 --ac selective --memory-per-gpu 80GiB
+//
+// prints the rank's peak memory as the CUDA caching allocator would report
+// it (allocated and reserved), what holds it, the phase where it falls, the
+// collectives of a step, and with --memory-per-gpu the largest local batch
+// that fits. --json writes the same as JSON. The model flags are the
+// trainer's (fsdp_train --help), parsed by the trainer's own code.
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include <c10/util/Exception.h>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/usage.h"
+#include "command_line.h"
+#include "config.h"
+#include "fsdp_plan/dry_run.h"
+#include "trainer_plan.h"
+
+namespace {
+const fsdp_train::TrainConfig kDefaults;
+}
+
+ABSL_FLAG(int, world_size, 8, "Ranks of the job to plan (any number: one rank is simulated).");
+ABSL_FLAG(int, rank, 0, "The rank to simulate (its rows of uneven shards).");
+ABSL_FLAG(int, steps, 2, "Steps to run (the second one holds the optimizer state).");
+ABSL_FLAG(std::string, engine, "nccl", "nccl (a CUDA job) or gloo (a CPU job, to compare with a CPU run).");
+ABSL_FLAG(std::string, memory_per_gpu, "",
+          "Memory of one device, e.g. 80GiB, 96GB, 24576MiB: also search the largest local batch that fits.");
+ABSL_FLAG(std::string, json, "", "Write the report as JSON to this file ('-' for stdout).");
+// The trainer's model and sharding flags (fsdp_train --help), same names and defaults.
+ABSL_FLAG(int64_t, global_batch, kDefaults.global_batch,
+          "Sequences per step over all ranks (divisible by --world-size).");
+ABSL_FLAG(int64_t, seq_len, kDefaults.seq_len, "Tokens per sequence.");
+ABSL_FLAG(int64_t, layers, kDefaults.layers, "Transformer blocks (each one fully_shard group).");
+ABSL_FLAG(int64_t, dim, kDefaults.dim, "Model width.");
+ABSL_FLAG(int64_t, heads, kDefaults.heads, "Attention heads; must divide --dim into an even head size.");
+ABSL_FLAG(int64_t, hidden, kDefaults.hidden, "SwiGLU hidden size; 0: 8/3 * dim rounded up to 16.");
+ABSL_FLAG(double, clip, kDefaults.clip, "Max global gradient norm; 0: no clipping.");
+ABSL_FLAG(bool, reshard_after_forward, kDefaults.reshard_after_forward,
+          "Free each block's unsharded parameters after its forward.");
+ABSL_FLAG(std::string, mesh, "", "RxS: replicate x shard ranks (HSDP when R > 1); default 1 x world size.");
+ABSL_FLAG(std::string, param_dtype, kDefaults.param_dtype, "fp32, bf16 or fp16: MixedPrecisionPolicy.param_dtype.");
+ABSL_FLAG(std::string, reduce_dtype, kDefaults.reduce_dtype, "fp32, bf16 or fp16: MixedPrecisionPolicy.reduce_dtype.");
+ABSL_FLAG(std::string, ac, kDefaults.ac, "Activation checkpointing of the blocks: none, full or selective.");
+ABSL_FLAG(int64_t, ac_every, kDefaults.ac_every, "With --ac: checkpoint every this many blocks.");
+
+namespace {
+
+fsdp_train::TrainConfig config_from_flags() {
+  fsdp_train::TrainConfig c;
+  c.global_batch = absl::GetFlag(FLAGS_global_batch);
+  c.seq_len = absl::GetFlag(FLAGS_seq_len);
+  c.layers = absl::GetFlag(FLAGS_layers);
+  c.dim = absl::GetFlag(FLAGS_dim);
+  c.heads = absl::GetFlag(FLAGS_heads);
+  c.hidden = absl::GetFlag(FLAGS_hidden);
+  c.clip = absl::GetFlag(FLAGS_clip);
+  c.reshard_after_forward = absl::GetFlag(FLAGS_reshard_after_forward);
+  c.mesh = absl::GetFlag(FLAGS_mesh);
+  c.param_dtype = absl::GetFlag(FLAGS_param_dtype);
+  c.reduce_dtype = absl::GetFlag(FLAGS_reduce_dtype);
+  c.ac = absl::GetFlag(FLAGS_ac);
+  c.ac_every = absl::GetFlag(FLAGS_ac_every);
+  return c;
+}
+
+// "80GiB", "96GB", "24576MiB", "1e9" (bytes without a unit would be too easy
+// to get wrong: a bare number is GiB). Returns -1 when malformed.
+int64_t parse_memory(const std::string& text) {
+  char* end = nullptr;
+  const double value = std::strtod(text.c_str(), &end);
+  if (end == text.c_str() || !(value > 0)) return -1;
+  static const std::map<std::string, double> units = {
+      {"", 1 << 30},    {"GiB", 1 << 30}, {"G", 1 << 30},          {"GB", 1e9},
+      {"MiB", 1 << 20}, {"MB", 1e6},      {"TiB", 1099511627776.0}};
+  const auto unit = units.find(end);
+  if (unit == units.end()) return -1;
+  return static_cast<int64_t>(std::llround(value * unit->second));
+}
+
+double mib(int64_t bytes) { return static_cast<double>(bytes) / (1 << 20); }
+
+}  // namespace
+
+int run(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "fsdp_plan: a dry run of the trainer's fully_shard runtime for one rank of a job of --world-size ranks; "
+      "prints its peak memory, what holds it, and the largest local batch that fits --memory-per-gpu.");
+  fsdp_train::parse_command_line(argc, argv);
+  const fsdp_train::TrainConfig config = config_from_flags();
+  const int world_size = absl::GetFlag(FLAGS_world_size);
+  if (world_size < 1) {
+    std::fprintf(stderr, "fsdp_plan: --world-size must be at least 1 (got %d)\n", world_size);
+    return 2;
+  }
+  if (const absl::Status ok = fsdp_train::validate(config, world_size); !ok.ok()) {
+    std::fprintf(stderr, "fsdp_plan: %s\n", std::string(ok.message()).c_str());
+    return 2;
+  }
+  fsdp_plan::DryRunOptions options;
+  options.world_size = world_size;
+  options.rank = absl::GetFlag(FLAGS_rank);
+  if (options.rank < 0 || options.rank >= world_size) {
+    std::fprintf(stderr, "fsdp_plan: --rank %d is not a rank of --world-size %d\n", options.rank, world_size);
+    return 2;
+  }
+  const std::string engine = absl::GetFlag(FLAGS_engine);
+  if (engine != "nccl" && engine != "gloo") {
+    std::fprintf(stderr, "fsdp_plan: --engine must be nccl or gloo (got '%s')\n", engine.c_str());
+    return 2;
+  }
+  options.engine = engine == "nccl" ? fsdp::collectives::BackendKind::kNccl : fsdp::collectives::BackendKind::kGloo;
+  int64_t memory_bytes = 0;
+  if (const std::string text = absl::GetFlag(FLAGS_memory_per_gpu); !text.empty()) {
+    memory_bytes = parse_memory(text);
+    if (memory_bytes < 0) {
+      std::fprintf(stderr, "fsdp_plan: --memory-per-gpu '%s' is not a size such as 80GiB, 96GB or 24576MiB\n",
+                   text.c_str());
+      return 2;
+    }
+  }
+  const int steps = absl::GetFlag(FLAGS_steps);
+  if (steps < 1) {
+    std::fprintf(stderr, "fsdp_plan: --steps must be at least 1 (got %d)\n", steps);
+    return 2;
+  }
+  const int64_t local_batch = config.global_batch / world_size;
+  const fsdp_plan_tool::TrainerPlan plan = fsdp_plan_tool::plan_trainer(config, options, local_batch, steps);
+
+  // The collectives of the last step, summed by op.
+  std::map<std::string, std::pair<int64_t, int64_t>> per_op;  // count, bytes
+  for (const auto& c : plan.collectives) {
+    if (c.step != steps) continue;
+    auto& [count, bytes] = per_op[c.op];
+    ++count;
+    bytes += c.bytes;
+  }
+  int64_t fitting = -1;
+  if (memory_bytes > 0) fitting = fsdp_plan_tool::largest_local_batch(config, options, memory_bytes);
+
+  std::printf("fsdp_plan: rank %d of %d (%s semantics), mesh %s\n", options.rank, world_size, engine.c_str(),
+              config.mesh.empty() ? ("1x" + std::to_string(world_size)).c_str() : config.mesh.c_str());
+  std::printf(
+      "  model   %lld layers, dim %lld, %lld heads, SwiGLU hidden %lld, seq %lld: %lld parameters (%lld on this "
+      "rank)\n",
+      static_cast<long long>(config.layers), static_cast<long long>(config.dim), static_cast<long long>(config.heads),
+      static_cast<long long>(fsdp_train::hidden_size(config)), static_cast<long long>(config.seq_len),
+      static_cast<long long>(plan.parameters), static_cast<long long>(plan.local_parameters));
+  std::printf(
+      "  step    local batch %lld, param dtype %s, reduce dtype %s, reshard after forward %s, ac %s; %d steps\n",
+      static_cast<long long>(local_batch), config.param_dtype.c_str(), config.reduce_dtype.c_str(),
+      config.reshard_after_forward ? "yes" : "no", config.ac.c_str(), steps);
+  std::printf("memory of rank %d\n%s", options.rank, fsdp_plan::format_memory(plan.memory).c_str());
+  std::printf("collectives of step %d\n", steps);
+  for (const auto& [op, cb] : per_op) {
+    std::printf("  %-34s %5lld calls  %10.1f MiB\n", op.c_str(), static_cast<long long>(cb.first), mib(cb.second));
+  }
+  if (memory_bytes > 0) {
+    std::printf("fits in %.1f GiB per device: ", static_cast<double>(memory_bytes) / (1 << 30));
+    if (fitting == 0) {
+      std::printf("no: even a local batch of 1 needs more (reserved)\n");
+    } else {
+      std::printf("local batch up to %lld (global %lld), by peak reserved memory\n", static_cast<long long>(fitting),
+                  static_cast<long long>(fitting * world_size));
+    }
+  }
+  if (const std::string path = absl::GetFlag(FLAGS_json); !path.empty()) {
+    nlohmann::ordered_json j;
+    j["world_size"] = world_size;
+    j["rank"] = options.rank;
+    j["engine"] = engine;
+    j["mesh"] = config.mesh;
+    j["local_batch"] = local_batch;
+    j["parameters"] = plan.parameters;
+    j["local_parameters"] = plan.local_parameters;
+    j["memory"] = nlohmann::ordered_json::parse(fsdp_plan::memory_json(plan.memory));
+    nlohmann::ordered_json ops = nlohmann::ordered_json::object();
+    for (const auto& [op, cb] : per_op) ops[op] = {{"calls", cb.first}, {"bytes", cb.second}};
+    j["collectives_per_step"] = ops;
+    if (memory_bytes > 0) {
+      j["memory_per_gpu_bytes"] = memory_bytes;
+      j["largest_local_batch"] = fitting;
+    }
+    if (path == "-") {
+      std::printf("%s\n", j.dump(2).c_str());
+    } else {
+      std::ofstream(path) << j.dump(2) << "\n";
+    }
+  }
+  return 0;
+}
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "fsdp_plan: %s\n", e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "fsdp_plan: %s\n", e.what());
+  }
+  return 1;
+}
