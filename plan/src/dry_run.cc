@@ -45,8 +45,6 @@ std::string to_string(StepPhase phase) {
 
 namespace {
 
-bool starts_with(const std::string& s, const char* prefix) { return s.rfind(prefix, 0) == 0; }
-
 // The FSDP phase a label names, without its module: "FSDP::all_gather (layers.3)" -> "FSDP::all_gather".
 std::string phase_of(const std::string& label) { return label.substr(0, label.find(' ')); }
 

@@ -2,8 +2,9 @@
 // the trainer's own fully_shard runtime for one rank of a job of
 // --world-size ranks (docs/planning.md):
 //
-//   fsdp_plan --world-size 128 --layers 32 --dim 4096 --heads 32 --seq-len 8192 \
+//   fsdp_plan --world-size 128 --layers 32 --dim 4096 --heads 32 --seq-len 8192
 //             --global-batch 256 --param-dtype bf16 --ac selective --memory-per-gpu 80GiB
+//   (one command line)
 //
 // prints the rank's peak memory as the CUDA caching allocator would report
 // it (allocated and reserved), what holds it, the phase where it falls, the
