@@ -220,6 +220,63 @@ ShardedModel build_model(const TrainConfig& c, const ModelConfig& mc, const fsdp
   return out;
 }
 
+// The mesh: 1-D over all ranks, or (--mesh RxS, R > 1) 2-D for HSDP.
+fsdp::DeviceMesh make_mesh(const TrainConfig& c, const std::shared_ptr<fsdp::collectives::World>& world,
+                           const c10::Device& device) {
+  const int world_size = world->size();
+  const MeshShape shape = value_or_throw(parse_mesh(c.mesh, world_size));
+  return shape.replicate > 1
+             ? fsdp::init_device_mesh(world, device.type(), {shape.replicate, shape.shard}, {"replicate", "shard"})
+             : fsdp::init_device_mesh(world, device.type(), {world_size}, {"shard"});
+}
+
+// One optimizer step of step `step` on this rank's `batch`; returns this
+// rank's loss.
+double train_step(const TrainConfig& c, int64_t step, const Batch& batch, const c10::Device& device,
+                  ShardedModel& sharded, torch::optim::AdamW& optim) {
+  Transformer& model = *sharded.model;
+  std::optional<fsdp::FSDPModule>& root = sharded.root;
+  for (auto& group : optim.param_groups()) {
+    static_cast<torch::optim::AdamWOptions&>(group.options()).lr(learning_rate(c, step));
+  }
+  const at::Tensor inputs = batch.inputs.to(device), targets = batch.targets.to(device);
+
+  optim.zero_grad();
+  const at::Tensor logits = fsdp::call_module(model, inputs);  // the root, through its FSDP hooks
+  const at::Tensor loss = at::cross_entropy_loss(logits.flatten(0, 1).to(at::kFloat), targets.flatten());
+  loss.backward();
+  if (c.clip > 0 && root) fsdp::clip_grads_with_norm_(*root, c.clip, fsdp::get_total_norm(*root));  // no host sync
+  if (c.clip > 0 && !root) torch::nn::utils::clip_grad_norm_(model.parameters(), c.clip);
+  optim.step();
+  return loss.item<double>();
+}
+
+// The record of step `step`, the same on every rank (collective over
+// `metrics`). The global batch's loss: every rank has the same number of
+// rows, so the mean of the ranks' means is the global mean.
+StepRecord record_step(Communicator& metrics, int64_t step, double local_loss, double seconds,
+                       const c10::Device& device, double tokens_per_step) {
+  StepRecord record;
+  record.step = step;
+  record.loss = all_reduce(metrics, local_loss, ReduceOp::sum(), kStepMetricsLabel) / metrics.size();
+  record.peak_mem_bytes = all_reduce(metrics, peak_memory_bytes(device), ReduceOp::max(), kStepMetricsLabel);
+  record.seconds = all_reduce(metrics, seconds, ReduceOp::max(), kStepMetricsLabel);
+  record.tokens_per_s = tokens_per_step / record.seconds;
+  return record;
+}
+
+TrainingResult training_result(const std::vector<StepRecord>& records, const std::optional<fsdp::FSDPModule>& root) {
+  TrainingResult result;
+  result.records = records;
+  if (root) {
+    const fsdp::RuntimeStats stats = root->runtime_stats();
+    const double steps = static_cast<double>(records.size());
+    result.all_gather_bytes_per_step = static_cast<double>(stats.all_gather_bytes) / steps;
+    result.all_gathers_per_step = static_cast<double>(stats.all_gathers) / steps;
+  }
+  return result;
+}
+
 // Rank 0's summary of the run. `times` holds each rank's all-gather wait,
 // reduce-scatter wait and total step seconds, `peaks` each rank's peak memory.
 void print_summary(const TrainConfig& c, const fsdp::DeviceMesh& mesh, const c10::Device& device,
@@ -271,12 +328,7 @@ TrainingResult run_training(const TrainConfig& c, const std::shared_ptr<fsdp::co
   const Corpus corpus = value_or_throw(load_corpus(c.data_path, c.seq_len + 2));
   const BatchSampler sampler(corpus.bytes, c.global_batch, c.seq_len, c.seed);
 
-  // The mesh: 1-D over all ranks, or (--mesh RxS, R > 1) 2-D for HSDP.
-  const MeshShape shape = value_or_throw(parse_mesh(c.mesh, world_size));
-  const fsdp::DeviceMesh mesh =
-      shape.replicate > 1
-          ? fsdp::init_device_mesh(world, device.type(), {shape.replicate, shape.shard}, {"replicate", "shard"})
-          : fsdp::init_device_mesh(world, device.type(), {world_size}, {"shard"});
+  const fsdp::DeviceMesh mesh = make_mesh(c, world, device);
   // A CPU group over all ranks for the metrics (loss, memory, timings).
   const std::shared_ptr<Communicator> metrics = world->new_group(world->all_ranks(), c10::kCPU);
 
@@ -328,33 +380,14 @@ TrainingResult run_training(const TrainConfig& c, const std::shared_ptr<fsdp::co
   if (profile) profiler.emplace(*profile);
   for (int64_t step = first_step; step <= last_step; ++step) {
     const auto start = Clock::now();
-    for (auto& group : optim.param_groups()) {
-      static_cast<torch::optim::AdamWOptions&>(group.options()).lr(learning_rate(c, step));
-    }
     // This rank's rows of global batch `step`.
     const Batch batch = sampler.local_batch(step, rank, world_size);
-    const at::Tensor inputs = batch.inputs.to(device), targets = batch.targets.to(device);
-
-    optim.zero_grad();
-    const at::Tensor logits = fsdp::call_module(*model, inputs);  // the root, through its FSDP hooks
-    const at::Tensor loss = at::cross_entropy_loss(logits.flatten(0, 1).to(at::kFloat), targets.flatten());
-    loss.backward();
-    if (c.clip > 0 && root) fsdp::clip_grads_with_norm_(*root, c.clip, fsdp::get_total_norm(*root));  // no host sync
-    if (c.clip > 0 && !root) torch::nn::utils::clip_grad_norm_(model->parameters(), c.clip);
-    optim.step();
-    const double local_loss = loss.item<double>();
+    const double local_loss = train_step(c, step, batch, device, sharded, optim);
     if (device.is_cuda()) torch::cuda::synchronize(device.index());
     const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
     step_seconds_total += seconds;
 
-    // The global batch's loss: every rank has the same number of rows, so the
-    // mean of the ranks' means is the global mean.
-    StepRecord record;
-    record.step = step;
-    record.loss = all_reduce(*metrics, local_loss, ReduceOp::sum(), kStepMetricsLabel) / world_size;
-    record.peak_mem_bytes = all_reduce(*metrics, peak_memory_bytes(device), ReduceOp::max(), kStepMetricsLabel);
-    record.seconds = all_reduce(*metrics, seconds, ReduceOp::max(), kStepMetricsLabel);
-    record.tokens_per_s = tokens_per_step / record.seconds;
+    const StepRecord record = record_step(*metrics, step, local_loss, seconds, device, tokens_per_step);
     records.push_back(record);
     if (rank == 0) progress.update(record);
     if (profiler) profiler->step();
@@ -386,14 +419,7 @@ TrainingResult run_training(const TrainConfig& c, const std::shared_ptr<fsdp::co
     }
     return {};
   }
-  TrainingResult result;
-  result.records = records;
-  if (root) {
-    const fsdp::RuntimeStats stats = root->runtime_stats();
-    const double steps = static_cast<double>(records.size());
-    result.all_gather_bytes_per_step = static_cast<double>(stats.all_gather_bytes) / steps;
-    result.all_gathers_per_step = static_cast<double>(stats.all_gathers) / steps;
-  }
+  const TrainingResult result = training_result(records, root);
 
   // Per-rank summary numbers, gathered (collective: every rank takes part).
   const std::vector<int64_t> peaks =
