@@ -138,94 +138,135 @@ void CheckpointWriter::record(const std::vector<WrittenFile>& files) {
   }
 }
 
+namespace {
+
+bool is_records_file(const std::string& rel) {
+  return rel.compare(0, std::strlen(kRecordsPrefix), kRecordsPrefix) == 0;
+}
+
+// This rank's records, as the small file in `temp_dir` that commit() hands
+// to rank 0.
+void write_records_file(const std::string& temp_dir, int rank, const std::vector<WrittenFile>& records, bool fsync) {
+  nlohmann::json json = nlohmann::json::array();
+  for (const auto& f : records) {
+    json.push_back({{"path", f.path.substr(temp_dir.size() + 1)}, {"size", f.size}, {"crc32", f.crc32}});
+  }
+  char name[64];
+  std::snprintf(name, sizeof(name), "%s%05d.json", kRecordsPrefix, rank);
+  detail::write_text_file(detail::join_path(temp_dir, name), json.dump(), fsync);
+}
+
+// Every rank's records, by path relative to `temp_dir`; the records files
+// among `files` are read and removed.
+std::map<std::string, WrittenFile> take_records(const std::string& temp_dir, const std::vector<std::string>& files) {
+  std::map<std::string, WrittenFile> known;
+  for (const auto& rel : files) {
+    if (!is_records_file(rel)) continue;
+    const std::string path = detail::join_path(temp_dir, rel);
+    const nlohmann::json recs =
+        detail::parse_json_strict(detail::read_text_file(path, int64_t{1} << 30, "records"), "'" + path + "'");
+    for (const auto& r : recs) {
+      known[r.at("path").get<std::string>()] =
+          WrittenFile{r.at("path").get<std::string>(), r.at("size").get<int64_t>(), r.at("crc32").get<uint32_t>()};
+    }
+    detail::remove_tree(path);
+  }
+  return known;
+}
+
+void fsync_file(const std::string& path) {
+  const int fd = detail::open_or_throw(path, O_RDONLY, "file");
+  try {
+    detail::fsync_or_throw(fd, path);
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+  ::close(fd);
+}
+
+// The manifest's "files": each file of `files` with its size and CRC32,
+// from its writer's record, or read here (and fsynced) when none recorded it.
+nlohmann::ordered_json manifest_file_entries(const std::string& temp_dir, const std::vector<std::string>& files,
+                                             const std::map<std::string, WrittenFile>& known, bool fsync) {
+  nlohmann::ordered_json listed = nlohmann::ordered_json::array();
+  for (const auto& rel : files) {
+    if (is_records_file(rel) || rel == kManifestFileName) continue;
+    const std::string path = detail::join_path(temp_dir, rel);
+    WrittenFile f;
+    auto it = known.find(rel);
+    struct stat st {};
+    TORCH_CHECK(::stat(path.c_str(), &st) == 0, "checkpoint: cannot stat '", path, "'");
+    if (it != known.end()) {
+      f = it->second;
+      TORCH_CHECK(st.st_size == f.size, "checkpoint: '", path, "' is ", st.st_size, " bytes but its writer recorded ",
+                  f.size);
+    } else {
+      f.crc32 = detail::crc32_of_file(path, &f.size);
+      if (fsync) fsync_file(path);
+    }
+    listed.push_back({{"path", rel}, {"size", f.size}, {"crc32", crc_hex(f.crc32)}});
+  }
+  return listed;
+}
+
+// Renames `temp_dir` to `final_dir`. An older ROOT/step-N (a re-run of the
+// same step) is moved aside first, as rename() does not replace a
+// non-empty directory, and removed after.
+void rename_into_place(const std::string& root, int64_t step, const std::string& temp_dir, const std::string& final_dir,
+                       bool fsync) {
+  const std::string old_dir = detail::join_path(root, ".old-" + checkpoint_dir_name(step));
+  const bool had_old = detail::is_directory(final_dir);
+  if (had_old) {
+    detail::remove_tree(old_dir);
+    TORCH_CHECK(::rename(final_dir.c_str(), old_dir.c_str()) == 0, "checkpoint: cannot move the older '", final_dir,
+                "' aside: ", std::strerror(errno));
+  }
+  TORCH_CHECK(::rename(temp_dir.c_str(), final_dir.c_str()) == 0, "checkpoint: renaming '", temp_dir, "' to '",
+              final_dir, "' failed: ", std::strerror(errno));
+  if (fsync) detail::fsync_dir(root);
+  if (had_old) detail::remove_tree(old_dir);
+}
+
+// Rank 0's part of commit(), once every rank's records are in `temp_dir`:
+// lists the files, writes the manifest, renames the directory into place.
+void publish(const std::string& root, int64_t step, int world_size, const CheckpointWriterOptions& options,
+             const std::string& temp_dir, const std::string& final_dir, const std::string& extra_json) {
+  std::vector<std::string> files;
+  std::vector<std::string> dirs{temp_dir};
+  walk_files(temp_dir, "", &files, &dirs);
+  const std::map<std::string, WrittenFile> known = take_records(temp_dir, files);
+  nlohmann::ordered_json manifest;
+  manifest["format"] = kManifestFormat;
+  manifest["version"] = 1;
+  manifest["step"] = step;
+  manifest["world_size"] = world_size;
+  manifest["mesh"] = options.mesh;
+  manifest["checksum"] = "crc32-zlib";
+  manifest["files"] = manifest_file_entries(temp_dir, files, known, options.fsync);
+  manifest["extra"] = nlohmann::ordered_json::parse(extra_json);
+  detail::write_text_file(detail::join_path(temp_dir, kManifestFileName), manifest.dump(2) + "\n", options.fsync);
+  if (options.fsync) {
+    for (auto d = dirs.rbegin(); d != dirs.rend(); ++d) detail::fsync_dir(*d);
+  }
+  rename_into_place(root, step, temp_dir, final_dir, options.fsync);
+}
+
+}  // namespace
+
 std::string CheckpointWriter::commit(const std::string& extra_json) {
   TORCH_CHECK(!committed_, "checkpoint: commit() of '", final_dir_, "' called twice");
   const nlohmann::json extra = detail::parse_json_strict(extra_json, "the extra JSON of the checkpoint manifest");
   TORCH_CHECK(extra.is_object(), "checkpoint: commit(): the extra JSON must be an object, got ", extra.type_name());
 
   const int rank = group_->rank();
-  {
-    nlohmann::json records = nlohmann::json::array();
-    for (const auto& f : records_) {
-      records.push_back({{"path", f.path.substr(temp_dir_.size() + 1)}, {"size", f.size}, {"crc32", f.crc32}});
-    }
-    char name[64];
-    std::snprintf(name, sizeof(name), "%s%05d.json", kRecordsPrefix, rank);
-    detail::write_text_file(detail::join_path(temp_dir_, name), records.dump(), options_.fsync);
-  }
+  write_records_file(temp_dir_, rank, records_, options_.fsync);
   wait_barrier(*group_, options_.timeout, "committing a checkpoint");
 
   std::exception_ptr failure;
   if (rank == 0) {
     try {
-      std::map<std::string, WrittenFile> known;
-      std::vector<std::string> files;
-      std::vector<std::string> dirs{temp_dir_};
-      walk_files(temp_dir_, "", &files, &dirs);
-      for (const auto& rel : files) {
-        if (rel.compare(0, std::strlen(kRecordsPrefix), kRecordsPrefix) != 0) continue;
-        const std::string path = detail::join_path(temp_dir_, rel);
-        const nlohmann::json recs =
-            detail::parse_json_strict(detail::read_text_file(path, int64_t{1} << 30, "records"), "'" + path + "'");
-        for (const auto& r : recs) {
-          known[r.at("path").get<std::string>()] =
-              WrittenFile{r.at("path").get<std::string>(), r.at("size").get<int64_t>(), r.at("crc32").get<uint32_t>()};
-        }
-        detail::remove_tree(path);
-      }
-      nlohmann::ordered_json listed = nlohmann::ordered_json::array();
-      for (const auto& rel : files) {
-        if (rel.compare(0, std::strlen(kRecordsPrefix), kRecordsPrefix) == 0 || rel == kManifestFileName) continue;
-        const std::string path = detail::join_path(temp_dir_, rel);
-        WrittenFile f;
-        auto it = known.find(rel);
-        struct stat st {};
-        TORCH_CHECK(::stat(path.c_str(), &st) == 0, "checkpoint: cannot stat '", path, "'");
-        if (it != known.end()) {
-          f = it->second;
-          TORCH_CHECK(st.st_size == f.size, "checkpoint: '", path, "' is ", st.st_size,
-                      " bytes but its writer recorded ", f.size);
-        } else {
-          f.crc32 = detail::crc32_of_file(path, &f.size);
-          if (options_.fsync) {
-            const int fd = detail::open_or_throw(path, O_RDONLY, "file");
-            try {
-              detail::fsync_or_throw(fd, path);
-            } catch (...) {
-              ::close(fd);
-              throw;
-            }
-            ::close(fd);
-          }
-        }
-        listed.push_back({{"path", rel}, {"size", f.size}, {"crc32", crc_hex(f.crc32)}});
-      }
-      nlohmann::ordered_json manifest;
-      manifest["format"] = kManifestFormat;
-      manifest["version"] = 1;
-      manifest["step"] = step_;
-      manifest["world_size"] = group_->size();
-      manifest["mesh"] = options_.mesh;
-      manifest["checksum"] = "crc32-zlib";
-      manifest["files"] = std::move(listed);
-      manifest["extra"] = nlohmann::ordered_json::parse(extra.dump());
-      detail::write_text_file(detail::join_path(temp_dir_, kManifestFileName), manifest.dump(2) + "\n", options_.fsync);
-      if (options_.fsync) {
-        for (auto d = dirs.rbegin(); d != dirs.rend(); ++d) detail::fsync_dir(*d);
-      }
-      // Replace an older ROOT/step-N (a re-run of the same step): move it
-      // aside first, as rename() does not replace a non-empty directory.
-      const std::string old_dir = detail::join_path(root_, ".old-" + checkpoint_dir_name(step_));
-      const bool had_old = detail::is_directory(final_dir_);
-      if (had_old) {
-        detail::remove_tree(old_dir);
-        TORCH_CHECK(::rename(final_dir_.c_str(), old_dir.c_str()) == 0, "checkpoint: cannot move the older '",
-                    final_dir_, "' aside: ", std::strerror(errno));
-      }
-      TORCH_CHECK(::rename(temp_dir_.c_str(), final_dir_.c_str()) == 0, "checkpoint: renaming '", temp_dir_, "' to '",
-                  final_dir_, "' failed: ", std::strerror(errno));
-      if (options_.fsync) detail::fsync_dir(root_);
-      if (had_old) detail::remove_tree(old_dir);
+      publish(root_, step_, group_->size(), options_, temp_dir_, final_dir_, extra.dump());
     } catch (...) {
       failure = std::current_exception();
     }

@@ -102,6 +102,121 @@ SafetensorsFile::~SafetensorsFile() {
   if (fd_ >= 0) ::close(fd_);
 }
 
+namespace {
+
+// The header's length from the first 8 bytes of the file, checked against
+// the limit of the format and the file's size.
+uint64_t read_header_length(int fd, int64_t file_size, const std::string& path) {
+  unsigned char len_bytes[8];
+  detail::pread_all(fd, len_bytes, 8, 0, path, "header length");
+  uint64_t header_len = 0;
+  for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | len_bytes[i];
+  TORCH_CHECK(header_len <= static_cast<uint64_t>(kMaxSafetensorsHeaderBytes), "checkpoint: '", path,
+              "' declares a header of ", header_len, " bytes, more than the ", kMaxSafetensorsHeaderBytes,
+              " a safetensors header may have; refusing to read it");
+  TORCH_CHECK(static_cast<int64_t>(header_len) <= file_size - 8, "checkpoint: '", path, "' declares a header of ",
+              header_len, " bytes, past the end of the file (", file_size, " bytes): truncated or not safetensors");
+  return header_len;
+}
+
+nlohmann::json read_header(int fd, uint64_t header_len, const std::string& path) {
+  std::string header(header_len, '\0');
+  detail::pread_all(fd, header.data(), static_cast<int64_t>(header_len), 8, path, "header");
+  TORCH_CHECK(!header.empty() && header[0] == '{', "checkpoint: the header of '", path,
+              "' does not start with '{': not a safetensors file");
+  nlohmann::json json = detail::parse_json_strict(header, "the header of '" + path + "'");
+  TORCH_CHECK(json.is_object(), "checkpoint: the header of '", path, "' is not a JSON object");
+  return json;
+}
+
+void read_metadata(const nlohmann::json& v, const std::string& path, std::map<std::string, std::string>& metadata) {
+  TORCH_CHECK(v.is_object(), "checkpoint: '", path, "': __metadata__ is not an object of strings");
+  for (auto m = v.begin(); m != v.end(); ++m) {
+    TORCH_CHECK(m.value().is_string(), "checkpoint: '", path, "': __metadata__ key '", m.key(),
+                "' is not a string (safetensors metadata maps strings to strings)");
+    metadata[m.key()] = m.value().get<std::string>();
+  }
+}
+
+std::vector<int64_t> read_shape(const nlohmann::json& v, const std::string& key, const std::string& path) {
+  TORCH_CHECK(v.contains("shape") && v["shape"].is_array(), "checkpoint: '", path, "': key '", key,
+              "' has no 'shape' array");
+  std::vector<int64_t> shape;
+  for (const auto& s : v["shape"]) {
+    TORCH_CHECK(s.is_number_unsigned() || (s.is_number_integer() && s.get<int64_t>() >= 0), "checkpoint: '", path,
+                "': key '", key, "' has a shape entry that is not a non-negative integer: ", s.dump());
+    TORCH_CHECK(!s.is_number_unsigned() || s.get<uint64_t>() <= static_cast<uint64_t>(INT64_MAX), "checkpoint: '", path,
+                "': key '", key, "' has a shape entry past int64: ", s.dump());
+    shape.push_back(s.get<int64_t>());
+  }
+  return shape;
+}
+
+// The header's entry for tensor `key`, checked on its own and against the
+// `data_size` bytes after the header.
+TensorInfo read_tensor_entry(const std::string& key, const nlohmann::json& v, int64_t data_size,
+                             const std::string& path) {
+  TORCH_CHECK(v.is_object(), "checkpoint: '", path, "': key '", key,
+              "' is not an object with dtype/shape/data_offsets");
+  for (auto field = v.begin(); field != v.end(); ++field) {
+    TORCH_CHECK(field.key() == "dtype" || field.key() == "shape" || field.key() == "data_offsets", "checkpoint: '",
+                path, "': key '", key, "' has an unknown field '", field.key(), "'");
+  }
+  TORCH_CHECK(v.contains("dtype") && v["dtype"].is_string(), "checkpoint: '", path, "': key '", key,
+              "' has no string 'dtype'");
+  const std::string dtype_name = v["dtype"].get<std::string>();
+  const auto dtype = safetensors_dtype(dtype_name);
+  TORCH_CHECK(dtype.has_value(), "checkpoint: '", path, "': key '", key, "' has the unknown dtype '", dtype_name, "'");
+  TensorInfo info;
+  info.name = key;
+  info.dtype = *dtype;
+  info.shape = read_shape(v, key, path);
+  const int64_t nbytes = checked_nbytes(info.shape, c10::elementSize(*dtype));
+  TORCH_CHECK(nbytes >= 0, "checkpoint: '", path, "': key '", key, "' has the shape ",
+              detail::shape_to_string(info.shape), " whose byte size overflows int64; refusing it");
+  TORCH_CHECK(v.contains("data_offsets") && v["data_offsets"].is_array() && v["data_offsets"].size() == 2,
+              "checkpoint: '", path, "': key '", key, "' has no 'data_offsets' pair [begin, end]");
+  for (const auto& o : v["data_offsets"]) {
+    TORCH_CHECK(o.is_number_integer() && (o.is_number_unsigned() || o.get<int64_t>() >= 0) &&
+                    (!o.is_number_unsigned() || o.get<uint64_t>() <= static_cast<uint64_t>(INT64_MAX)),
+                "checkpoint: '", path, "': key '", key,
+                "' has a data offset that is not a non-negative int64: ", o.dump());
+  }
+  info.data_begin = v["data_offsets"][0].get<int64_t>();
+  info.data_end = v["data_offsets"][1].get<int64_t>();
+  TORCH_CHECK(info.data_begin <= info.data_end, "checkpoint: '", path, "': key '", key, "' has data_offsets [",
+              info.data_begin, ", ", info.data_end, "] with begin after end");
+  TORCH_CHECK(info.data_end <= data_size, "checkpoint: '", path, "': key '", key, "' has data_offsets [",
+              info.data_begin, ", ", info.data_end, "] past the end of the data (", data_size,
+              " bytes after the header): the file is truncated or corrupt");
+  TORCH_CHECK(info.data_end - info.data_begin == nbytes, "checkpoint: '", path, "': key '", key, "' has data_offsets [",
+              info.data_begin, ", ", info.data_end, "] spanning ", info.data_end - info.data_begin,
+              " bytes, but dtype ", dtype_name, " and shape ", detail::shape_to_string(info.shape), " need ", nbytes);
+  return info;
+}
+
+// Sorts `tensors` by their data and checks that they cover the
+// `data_size` bytes of data exactly, without holes or overlap.
+void sort_and_check_coverage(std::vector<TensorInfo>& tensors, int64_t data_size, const std::string& path) {
+  std::sort(tensors.begin(), tensors.end(), [](const TensorInfo& a, const TensorInfo& b) {
+    return std::make_pair(a.data_begin, a.data_end) < std::make_pair(b.data_begin, b.data_end);
+  });
+  int64_t covered = 0;
+  const TensorInfo* prev = nullptr;
+  for (const auto& t : tensors) {
+    TORCH_CHECK(t.data_begin >= covered, "checkpoint: '", path, "': the data of key '", t.name, "' [", t.data_begin,
+                ", ", t.data_end, ") overlaps that of key '", prev ? prev->name : "", "' (ending at ", covered, ")");
+    TORCH_CHECK(t.data_begin == covered, "checkpoint: '", path, "': a hole in the data: bytes [", covered, ", ",
+                t.data_begin, ") before key '", t.name, "' belong to no tensor");
+    covered = t.data_end;
+    prev = &t;
+  }
+  TORCH_CHECK(covered == data_size, "checkpoint: '", path, "': the data section is ", data_size,
+              " bytes but the tensors cover only ", covered, " (trailing bytes: corrupt or not safetensors)");
+}
+
+}  // namespace
+
 SafetensorsFile SafetensorsFile::open(const std::string& path) {
   SafetensorsFile f;
   f.path_ = path;
@@ -112,102 +227,18 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
   f.file_size_ = st.st_size;
   TORCH_CHECK(f.file_size_ >= 8, "checkpoint: '", path, "' is ", f.file_size_,
               " bytes, shorter than the 8-byte header length of a safetensors file (truncated?)");
-
-  unsigned char len_bytes[8];
-  detail::pread_all(f.fd_, len_bytes, 8, 0, path, "header length");
-  uint64_t header_len = 0;
-  for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | len_bytes[i];
-  TORCH_CHECK(header_len <= static_cast<uint64_t>(kMaxSafetensorsHeaderBytes), "checkpoint: '", path,
-              "' declares a header of ", header_len, " bytes, more than the ", kMaxSafetensorsHeaderBytes,
-              " a safetensors header may have; refusing to read it");
-  TORCH_CHECK(static_cast<int64_t>(header_len) <= f.file_size_ - 8, "checkpoint: '", path, "' declares a header of ",
-              header_len, " bytes, past the end of the file (", f.file_size_, " bytes): truncated or not safetensors");
+  const uint64_t header_len = read_header_length(f.fd_, f.file_size_, path);
   f.data_start_ = 8 + static_cast<int64_t>(header_len);
   const int64_t data_size = f.file_size_ - f.data_start_;
-
-  std::string header(header_len, '\0');
-  detail::pread_all(f.fd_, header.data(), static_cast<int64_t>(header_len), 8, path, "header");
-  TORCH_CHECK(!header.empty() && header[0] == '{', "checkpoint: the header of '", path,
-              "' does not start with '{': not a safetensors file");
-  const nlohmann::json json = detail::parse_json_strict(header, "the header of '" + path + "'");
-  TORCH_CHECK(json.is_object(), "checkpoint: the header of '", path, "' is not a JSON object");
-
+  const nlohmann::json json = read_header(f.fd_, header_len, path);
   for (auto it = json.begin(); it != json.end(); ++it) {
-    const std::string& key = it.key();
-    const nlohmann::json& v = it.value();
-    if (key == "__metadata__") {
-      TORCH_CHECK(v.is_object(), "checkpoint: '", path, "': __metadata__ is not an object of strings");
-      for (auto m = v.begin(); m != v.end(); ++m) {
-        TORCH_CHECK(m.value().is_string(), "checkpoint: '", path, "': __metadata__ key '", m.key(),
-                    "' is not a string (safetensors metadata maps strings to strings)");
-        f.metadata_[m.key()] = m.value().get<std::string>();
-      }
-      continue;
+    if (it.key() == "__metadata__") {
+      read_metadata(it.value(), path, f.metadata_);
+    } else {
+      f.tensors_.push_back(read_tensor_entry(it.key(), it.value(), data_size, path));
     }
-    TORCH_CHECK(v.is_object(), "checkpoint: '", path, "': key '", key,
-                "' is not an object with dtype/shape/data_offsets");
-    for (auto field = v.begin(); field != v.end(); ++field) {
-      TORCH_CHECK(field.key() == "dtype" || field.key() == "shape" || field.key() == "data_offsets", "checkpoint: '",
-                  path, "': key '", key, "' has an unknown field '", field.key(), "'");
-    }
-    TORCH_CHECK(v.contains("dtype") && v["dtype"].is_string(), "checkpoint: '", path, "': key '", key,
-                "' has no string 'dtype'");
-    const std::string dtype_name = v["dtype"].get<std::string>();
-    const auto dtype = safetensors_dtype(dtype_name);
-    TORCH_CHECK(dtype.has_value(), "checkpoint: '", path, "': key '", key, "' has the unknown dtype '", dtype_name,
-                "'");
-    TORCH_CHECK(v.contains("shape") && v["shape"].is_array(), "checkpoint: '", path, "': key '", key,
-                "' has no 'shape' array");
-    TensorInfo info;
-    info.name = key;
-    info.dtype = *dtype;
-    for (const auto& s : v["shape"]) {
-      TORCH_CHECK(s.is_number_unsigned() || (s.is_number_integer() && s.get<int64_t>() >= 0), "checkpoint: '", path,
-                  "': key '", key, "' has a shape entry that is not a non-negative integer: ", s.dump());
-      TORCH_CHECK(!s.is_number_unsigned() || s.get<uint64_t>() <= static_cast<uint64_t>(INT64_MAX), "checkpoint: '",
-                  path, "': key '", key, "' has a shape entry past int64: ", s.dump());
-      info.shape.push_back(s.get<int64_t>());
-    }
-    const int64_t nbytes = checked_nbytes(info.shape, c10::elementSize(*dtype));
-    TORCH_CHECK(nbytes >= 0, "checkpoint: '", path, "': key '", key, "' has the shape ",
-                detail::shape_to_string(info.shape), " whose byte size overflows int64; refusing it");
-    TORCH_CHECK(v.contains("data_offsets") && v["data_offsets"].is_array() && v["data_offsets"].size() == 2,
-                "checkpoint: '", path, "': key '", key, "' has no 'data_offsets' pair [begin, end]");
-    for (const auto& o : v["data_offsets"]) {
-      TORCH_CHECK(o.is_number_integer() && (o.is_number_unsigned() || o.get<int64_t>() >= 0) &&
-                      (!o.is_number_unsigned() || o.get<uint64_t>() <= static_cast<uint64_t>(INT64_MAX)),
-                  "checkpoint: '", path, "': key '", key,
-                  "' has a data offset that is not a non-negative int64: ", o.dump());
-    }
-    info.data_begin = v["data_offsets"][0].get<int64_t>();
-    info.data_end = v["data_offsets"][1].get<int64_t>();
-    TORCH_CHECK(info.data_begin <= info.data_end, "checkpoint: '", path, "': key '", key, "' has data_offsets [",
-                info.data_begin, ", ", info.data_end, "] with begin after end");
-    TORCH_CHECK(info.data_end <= data_size, "checkpoint: '", path, "': key '", key, "' has data_offsets [",
-                info.data_begin, ", ", info.data_end, "] past the end of the data (", data_size,
-                " bytes after the header): the file is truncated or corrupt");
-    TORCH_CHECK(info.data_end - info.data_begin == nbytes, "checkpoint: '", path, "': key '", key,
-                "' has data_offsets [", info.data_begin, ", ", info.data_end, "] spanning ",
-                info.data_end - info.data_begin, " bytes, but dtype ", dtype_name, " and shape ",
-                detail::shape_to_string(info.shape), " need ", nbytes);
-    f.tensors_.push_back(std::move(info));
   }
-
-  std::sort(f.tensors_.begin(), f.tensors_.end(), [](const TensorInfo& a, const TensorInfo& b) {
-    return std::make_pair(a.data_begin, a.data_end) < std::make_pair(b.data_begin, b.data_end);
-  });
-  int64_t covered = 0;
-  const TensorInfo* prev = nullptr;
-  for (const auto& t : f.tensors_) {
-    TORCH_CHECK(t.data_begin >= covered, "checkpoint: '", path, "': the data of key '", t.name, "' [", t.data_begin,
-                ", ", t.data_end, ") overlaps that of key '", prev ? prev->name : "", "' (ending at ", covered, ")");
-    TORCH_CHECK(t.data_begin == covered, "checkpoint: '", path, "': a hole in the data: bytes [", covered, ", ",
-                t.data_begin, ") before key '", t.name, "' belong to no tensor");
-    covered = t.data_end;
-    prev = &t;
-  }
-  TORCH_CHECK(covered == data_size, "checkpoint: '", path, "': the data section is ", data_size,
-              " bytes but the tensors cover only ", covered, " (trailing bytes: corrupt or not safetensors)");
+  sort_and_check_coverage(f.tensors_, data_size, path);
   for (size_t i = 0; i < f.tensors_.size(); ++i) f.by_name_[f.tensors_[i].name] = i;
   return f;
 }

@@ -150,107 +150,125 @@ std::optional<std::string> tied_to(const std::vector<std::pair<std::string, at::
 
 // --- the index of what a directory holds --------------------------------------
 
-SavedIndex SavedIndex::build(const std::string& dir) {
-  TORCH_CHECK(is_directory(dir), "checkpoint: '", dir, "' is not a directory");
-  SavedIndex index;
-  index.dir = dir;
-  std::vector<std::string> names;
-  std::map<std::string, std::string> weight_map;
-  const std::string index_path = join_path(dir, kIndexFileName);
-  const bool has_index = is_regular_file(index_path);
-  if (has_index) {
-    const nlohmann::json json =
-        parse_json_strict(read_text_file(index_path, int64_t{1} << 30, "index file"), "the index '" + index_path + "'");
-    TORCH_CHECK(json.is_object() && json.contains("weight_map") && json["weight_map"].is_object(),
-                "checkpoint: the index '", index_path, "' has no 'weight_map' object");
-    std::set<std::string> files;
-    for (auto it = json["weight_map"].begin(); it != json["weight_map"].end(); ++it) {
-      TORCH_CHECK(it.value().is_string(), "checkpoint: the index '", index_path, "' maps key '", it.key(),
-                  "' to something that is not a file name");
-      const std::string file = it.value().get<std::string>();
-      // Refused before anything is opened: a name must not reach outside `dir`.
-      TORCH_CHECK(is_plain_file_name(file), "checkpoint: the index '", index_path, "' maps key '", it.key(), "' to '",
-                  file, "', which is not a plain file name inside the checkpoint directory");
-      weight_map[it.key()] = file;
-      files.insert(file);
-    }
-    names.assign(files.begin(), files.end());
-  } else {
-    names = list_files(dir, ".safetensors");
-  }
-  TORCH_CHECK(!names.empty(), "checkpoint: '", dir,
-              "' holds no *.safetensors file (nor a model.safetensors.index.json): nothing to load");
-  index.manifest_files = manifest_files_for(dir, &index.manifest_path);
+namespace {
 
-  for (const auto& name : names) {
-    const std::string path = join_path(dir, name);
-    index.files.push_back(std::make_unique<SafetensorsFile>(SafetensorsFile::open(path)));
-    const SafetensorsFile& f = *index.files.back();
-    const size_t file_index = index.files.size() - 1;
-    std::optional<nlohmann::json> sharding;
-    auto info_it = f.metadata().find(kShardingInfoKey);
-    if (info_it != f.metadata().end()) {
-      sharding = parse_json_strict(info_it->second,
-                                   std::string("__metadata__[\"") + kShardingInfoKey + "\"] of '" + path + "'");
-      TORCH_CHECK(sharding->is_object(), "checkpoint: '", path, "': ", kShardingInfoKey, " is not a JSON object");
-    }
-    auto tied_it = f.metadata().find(kTiedMetadataKey);
-    if (tied_it != f.metadata().end()) {
-      const nlohmann::json tied = parse_json_strict(
-          tied_it->second, std::string("__metadata__[\"") + kTiedMetadataKey + "\"] of '" + path + "'");
-      TORCH_CHECK(tied.is_object(), "checkpoint: '", path, "': ", kTiedMetadataKey, " is not a JSON object");
-      for (auto it = tied.begin(); it != tied.end(); ++it) {
-        TORCH_CHECK(it.value().is_string(), "checkpoint: '", path, "': ", kTiedMetadataKey, " maps '", it.key(),
-                    "' to a non-string");
-        const std::string to = it.value().get<std::string>();
-        auto [pos, inserted] = index.aliases.emplace(it.key(), to);
-        TORCH_CHECK(inserted || pos->second == to, "checkpoint: '", path, "': the tied key '", it.key(), "' names '",
-                    to, "' here but '", pos->second, "' in another file");
-      }
-    }
-    for (const auto& t : f.tensors()) {
-      std::vector<int64_t> offset(t.shape.size(), 0);
-      if (sharding.has_value()) {
-        TORCH_CHECK(sharding->contains(t.name) && (*sharding)[t.name].is_object() &&
-                        (*sharding)[t.name].contains("saved_offsets") &&
-                        (*sharding)[t.name]["saved_offsets"].is_array(),
-                    "checkpoint: '", path, "': key '", t.name, "' has no saved_offsets in ", kShardingInfoKey);
-        const auto& offs = (*sharding)[t.name]["saved_offsets"];
-        TORCH_CHECK(offs.size() == t.shape.size(), "checkpoint: '", path, "': key '", t.name, "' has ", offs.size(),
-                    " saved_offsets for a ", t.shape.size(), "-dim tensor");
-        for (size_t d = 0; d < offs.size(); ++d) {
-          TORCH_CHECK(offs[d].is_number_integer() && offs[d].get<int64_t>() >= 0 &&
-                          offs[d].get<int64_t>() <= (int64_t{1} << 62),
-                      "checkpoint: '", path, "': key '", t.name, "' has a bad saved offset ", offs[d].dump());
-          offset[d] = offs[d].get<int64_t>();
-        }
-      }
-      if (has_index) {
-        auto w = weight_map.find(t.name);
-        if (w != weight_map.end() && w->second != name) continue;  // the index says another file holds it
-      }
-      auto [it, inserted] = index.tensors.try_emplace(t.name);
-      SavedTensor& saved = it->second;
-      if (inserted) {
-        saved.dtype = t.dtype;
-        saved.global_shape.assign(t.shape.size(), 0);
-        index.order.push_back(t.name);
-      }
-      TORCH_CHECK(saved.dtype == t.dtype && saved.global_shape.size() == t.shape.size(), "checkpoint: key '", t.name,
-                  "' is ", c10::toString(t.dtype), " with ", t.shape.size(), " dims in '", path, "' but ",
-                  c10::toString(saved.dtype), " with ", saved.global_shape.size(), " dims in '",
-                  index.files[saved.pieces.front().file]->path(), "'");
-      for (size_t d = 0; d < t.shape.size(); ++d) {
-        saved.global_shape[d] = std::max(saved.global_shape[d], offset[d] + t.shape[d]);
-      }
-      saved.pieces.push_back(SavedPiece{file_index, std::move(offset), t.shape});
-    }
+// The files a load opens, and for a directory with
+// model.safetensors.index.json the file its weight_map names for each key.
+struct FilesToOpen {
+  std::vector<std::string> names;
+  bool has_index = false;
+  std::map<std::string, std::string> weight_map;
+};
+
+FilesToOpen files_to_open(const std::string& dir) {
+  FilesToOpen out;
+  const std::string index_path = join_path(dir, kIndexFileName);
+  out.has_index = is_regular_file(index_path);
+  if (!out.has_index) {
+    out.names = list_files(dir, ".safetensors");
+    return out;
   }
-  for (const auto& [key, file] : weight_map) {
-    TORCH_CHECK(index.tensors.count(key) != 0, "checkpoint: the index of '", dir, "' maps key '", key, "' to '", file,
-                "', which has no such tensor");
+  const nlohmann::json json =
+      parse_json_strict(read_text_file(index_path, int64_t{1} << 30, "index file"), "the index '" + index_path + "'");
+  TORCH_CHECK(json.is_object() && json.contains("weight_map") && json["weight_map"].is_object(),
+              "checkpoint: the index '", index_path, "' has no 'weight_map' object");
+  std::set<std::string> files;
+  for (auto it = json["weight_map"].begin(); it != json["weight_map"].end(); ++it) {
+    TORCH_CHECK(it.value().is_string(), "checkpoint: the index '", index_path, "' maps key '", it.key(),
+                "' to something that is not a file name");
+    const std::string file = it.value().get<std::string>();
+    // Refused before anything is opened: a name must not reach outside `dir`.
+    TORCH_CHECK(is_plain_file_name(file), "checkpoint: the index '", index_path, "' maps key '", it.key(), "' to '",
+                file, "', which is not a plain file name inside the checkpoint directory");
+    out.weight_map[it.key()] = file;
+    files.insert(file);
   }
-  // Pieces of one key must not overlap: each element has one saved value.
+  out.names.assign(files.begin(), files.end());
+  return out;
+}
+
+// The JSON object a file's __metadata__ holds as text under `key`, if any.
+std::optional<nlohmann::json> metadata_object(const SafetensorsFile& f, const char* key) {
+  auto it = f.metadata().find(key);
+  if (it == f.metadata().end()) return std::nullopt;
+  nlohmann::json value =
+      parse_json_strict(it->second, std::string("__metadata__[\"") + key + "\"] of '" + f.path() + "'");
+  TORCH_CHECK(value.is_object(), "checkpoint: '", f.path(), "': ", key, " is not a JSON object");
+  return value;
+}
+
+void add_tied_keys(const nlohmann::json& tied, const std::string& path, std::map<std::string, std::string>& aliases) {
+  for (auto it = tied.begin(); it != tied.end(); ++it) {
+    TORCH_CHECK(it.value().is_string(), "checkpoint: '", path, "': ", kTiedMetadataKey, " maps '", it.key(),
+                "' to a non-string");
+    const std::string to = it.value().get<std::string>();
+    auto [pos, inserted] = aliases.emplace(it.key(), to);
+    TORCH_CHECK(inserted || pos->second == to, "checkpoint: '", path, "': the tied key '", it.key(), "' names '", to,
+                "' here but '", pos->second, "' in another file");
+  }
+}
+
+// Where tensor `t` of a file sits in its global tensor: its saved_offsets
+// in the file's DCP_SHARDING_INFO, or the origin for a file without one.
+std::vector<int64_t> saved_offset(const std::optional<nlohmann::json>& sharding, const TensorInfo& t,
+                                  const std::string& path) {
+  std::vector<int64_t> offset(t.shape.size(), 0);
+  if (!sharding.has_value()) return offset;
+  TORCH_CHECK(sharding->contains(t.name) && (*sharding)[t.name].is_object() &&
+                  (*sharding)[t.name].contains("saved_offsets") && (*sharding)[t.name]["saved_offsets"].is_array(),
+              "checkpoint: '", path, "': key '", t.name, "' has no saved_offsets in ", kShardingInfoKey);
+  const auto& offs = (*sharding)[t.name]["saved_offsets"];
+  TORCH_CHECK(offs.size() == t.shape.size(), "checkpoint: '", path, "': key '", t.name, "' has ", offs.size(),
+              " saved_offsets for a ", t.shape.size(), "-dim tensor");
+  for (size_t d = 0; d < offs.size(); ++d) {
+    TORCH_CHECK(
+        offs[d].is_number_integer() && offs[d].get<int64_t>() >= 0 && offs[d].get<int64_t>() <= (int64_t{1} << 62),
+        "checkpoint: '", path, "': key '", t.name, "' has a bad saved offset ", offs[d].dump());
+    offset[d] = offs[d].get<int64_t>();
+  }
+  return offset;
+}
+
+// Adds tensor `t` of file `file_index`, saved at `offset`, as a piece of its key.
+void add_piece(SavedIndex& index, size_t file_index, const TensorInfo& t, std::vector<int64_t> offset) {
+  const std::string& path = index.files[file_index]->path();
+  auto [it, inserted] = index.tensors.try_emplace(t.name);
+  SavedTensor& saved = it->second;
+  if (inserted) {
+    saved.dtype = t.dtype;
+    saved.global_shape.assign(t.shape.size(), 0);
+    index.order.push_back(t.name);
+  }
+  TORCH_CHECK(saved.dtype == t.dtype && saved.global_shape.size() == t.shape.size(), "checkpoint: key '", t.name,
+              "' is ", c10::toString(t.dtype), " with ", t.shape.size(), " dims in '", path, "' but ",
+              c10::toString(saved.dtype), " with ", saved.global_shape.size(), " dims in '",
+              index.files[saved.pieces.front().file]->path(), "'");
+  for (size_t d = 0; d < t.shape.size(); ++d) {
+    saved.global_shape[d] = std::max(saved.global_shape[d], offset[d] + t.shape[d]);
+  }
+  saved.pieces.push_back(SavedPiece{file_index, std::move(offset), t.shape});
+}
+
+// Opens file `name` of the directory and adds its tensors to `index`.
+void add_file(SavedIndex& index, const FilesToOpen& files, const std::string& name) {
+  const std::string path = join_path(index.dir, name);
+  index.files.push_back(std::make_unique<SafetensorsFile>(SafetensorsFile::open(path)));
+  const SafetensorsFile& f = *index.files.back();
+  const size_t file_index = index.files.size() - 1;
+  const std::optional<nlohmann::json> sharding = metadata_object(f, kShardingInfoKey);
+  if (const auto tied = metadata_object(f, kTiedMetadataKey)) add_tied_keys(*tied, path, index.aliases);
+  for (const auto& t : f.tensors()) {
+    std::vector<int64_t> offset = saved_offset(sharding, t, path);
+    if (files.has_index) {
+      auto w = files.weight_map.find(t.name);
+      if (w != files.weight_map.end() && w->second != name) continue;  // the index says another file holds it
+    }
+    add_piece(index, file_index, t, std::move(offset));
+  }
+}
+
+// Pieces of one key must not overlap: each element has one saved value.
+void check_pieces_disjoint(const SavedIndex& index) {
   for (const auto& [key, saved] : index.tensors) {
     for (size_t i = 0; i < saved.pieces.size(); ++i) {
       for (size_t j = i + 1; j < saved.pieces.size(); ++j) {
@@ -266,18 +284,42 @@ SavedIndex SavedIndex::build(const std::string& dir) {
       }
     }
   }
+}
+
+}  // namespace
+
+SavedIndex SavedIndex::build(const std::string& dir) {
+  TORCH_CHECK(is_directory(dir), "checkpoint: '", dir, "' is not a directory");
+  SavedIndex index;
+  index.dir = dir;
+  const FilesToOpen files = files_to_open(dir);
+  TORCH_CHECK(!files.names.empty(), "checkpoint: '", dir,
+              "' holds no *.safetensors file (nor a model.safetensors.index.json): nothing to load");
+  index.manifest_files = manifest_files_for(dir, &index.manifest_path);
+  for (const auto& name : files.names) add_file(index, files, name);
+  for (const auto& [key, file] : files.weight_map) {
+    TORCH_CHECK(index.tensors.count(key) != 0, "checkpoint: the index of '", dir, "' maps key '", key, "' to '", file,
+                "', which has no such tensor");
+  }
+  check_pieces_disjoint(index);
   return index;
 }
 
-LoadResult load_into(StateDict& target, const SavedIndex& index, const LoadOptions& options,
-                     const char* strict_option) {
-  const auto start = Clock::now();
-  LoadResult result;
-  result.files = static_cast<int64_t>(index.files.size());
+namespace {
 
-  // Resolve each target key to the saved key holding its values.
-  std::vector<std::pair<StateValue*, const std::string*>> plan;  // target value, saved key
-  std::vector<std::string> plan_keys;
+// A target key, its value and the saved key that holds its values (itself,
+// or the key it is tied to).
+struct PlannedLoad {
+  std::string key;
+  StateValue* value;
+  const std::string* saved_key;
+};
+
+// Resolves each target key to the saved key holding its values; lists in
+// `result` the target keys nothing was saved for and the saved keys no
+// target key takes.
+std::vector<PlannedLoad> plan_load(StateDict& target, const SavedIndex& index, LoadResult& result) {
+  std::vector<PlannedLoad> plan;
   std::set<std::string> used;
   for (auto& [key, value] : target) {
     const std::string* saved_key = nullptr;
@@ -291,8 +333,7 @@ LoadResult load_into(StateDict& target, const SavedIndex& index, const LoadOptio
       continue;
     }
     used.insert(key);
-    plan.emplace_back(&value, saved_key);
-    plan_keys.push_back(key);
+    plan.push_back(PlannedLoad{key, &value, saved_key});
   }
   for (const auto& key : index.order) {
     if (used.count(key) == 0) result.unexpected_keys.push_back(key);
@@ -300,97 +341,119 @@ LoadResult load_into(StateDict& target, const SavedIndex& index, const LoadOptio
   for (const auto& [alias, to] : index.aliases) {
     if (used.count(alias) == 0 && index.tensors.count(to) != 0) result.unexpected_keys.push_back(alias);
   }
-  if (options.strict) {
-    TORCH_CHECK(result.missing_keys.empty() && result.unexpected_keys.empty(), "checkpoint: loading '", index.dir,
-                "' (strict): ",
-                result.missing_keys.empty()
-                    ? std::string()
-                    : "missing keys (in the target, not saved): " + join_keys(result.missing_keys),
-                !result.missing_keys.empty() && !result.unexpected_keys.empty() ? "; " : "",
-                result.unexpected_keys.empty()
-                    ? std::string()
-                    : "unexpected keys (saved, not in the target): " + join_keys(result.unexpected_keys),
-                missing_shard_file_hint(index, !result.missing_keys.empty()), ". Set ", strict_option,
-                " = false to load the keys both have.");
-  }
+  return plan;
+}
 
-  // Check shapes, dtypes and coverage of every entry before copying anything.
-  for (size_t i = 0; i < plan.size(); ++i) {
-    const StateValue& value = *plan[i].first;
-    const std::string& key = plan_keys[i];
-    const SavedTensor& saved = index.tensors.at(*plan[i].second);
-    TORCH_CHECK(value.local().defined(), "checkpoint: target key '", key, "' holds an undefined tensor");
-    const std::vector<int64_t> global = value.global_shape();
-    if (global != saved.global_shape) {
-      bool too_small = global.size() == saved.global_shape.size();
-      for (size_t d = 0; too_small && d < global.size(); ++d) too_small = saved.global_shape[d] <= global[d];
-      TORCH_CHECK(false, "checkpoint: key '", key, "' has the global shape ", shape_to_string(global),
-                  " in the target but ", shape_to_string(saved.global_shape), " in '", index.dir, "'",
-                  missing_shard_file_hint(index, too_small));
-    }
-    TORCH_CHECK(value.dtype() == saved.dtype, "checkpoint: key '", key, "' is ", c10::toString(value.dtype()),
-                " in the target but ", c10::toString(saved.dtype), " in '", index.dir,
-                "'; convert the checkpoint or the model first");
-    const std::vector<int64_t> offset = value.local_offset();
-    const std::vector<int64_t> shape = value.local().sizes().vec();
-    int64_t covered = 0;
-    for (const auto& piece : saved.pieces) {
-      int64_t n = 1;
-      for (size_t d = 0; d < shape.size(); ++d) {
-        const int64_t lo = std::max(offset[d], piece.offset[d]);
-        const int64_t hi = std::min(offset[d] + shape[d], piece.offset[d] + piece.shape[d]);
-        n *= std::max<int64_t>(0, hi - lo);
-      }
-      covered += n;
-    }
-    TORCH_CHECK(covered == numel_of(shape), "checkpoint: key '", key, "': the saved pieces in '", index.dir,
-                "' hold only ", covered, " of the ", numel_of(shape), " elements of this rank's region (offset ",
-                shape_to_string(offset), ", shape ", shape_to_string(shape), "): a file of the checkpoint is missing",
-                missing_shard_file_hint(index, false));
-  }
+void check_keys_match(const LoadResult& result, const SavedIndex& index, const char* strict_option) {
+  TORCH_CHECK(
+      result.missing_keys.empty() && result.unexpected_keys.empty(), "checkpoint: loading '", index.dir, "' (strict): ",
+      result.missing_keys.empty() ? std::string()
+                                  : "missing keys (in the target, not saved): " + join_keys(result.missing_keys),
+      !result.missing_keys.empty() && !result.unexpected_keys.empty() ? "; " : "",
+      result.unexpected_keys.empty()
+          ? std::string()
+          : "unexpected keys (saved, not in the target): " + join_keys(result.unexpected_keys),
+      missing_shard_file_hint(index, !result.missing_keys.empty()), ". Set ", strict_option,
+      " = false to load the keys both have.");
+}
 
-  for (size_t i = 0; i < plan.size(); ++i) {
-    const at::Tensor& local = plan[i].first->local();
-    const std::string& saved_key = *plan[i].second;
-    const SavedTensor& saved = index.tensors.at(saved_key);
-    const std::vector<int64_t> offset = plan[i].first->local_offset();
-    const std::vector<int64_t> shape = local.sizes().vec();
-    if (shape.empty()) {
-      const SavedPiece& piece = saved.pieces.front();
-      at::Tensor v = index.files[piece.file]->read(saved_key);
-      local.copy_(v);
-      result.bytes_read += static_cast<int64_t>(v.nbytes());
-      continue;
-    }
-    for (const auto& piece : saved.pieces) {
-      std::vector<int64_t> lo(shape.size());
-      std::vector<int64_t> len(shape.size());
-      bool empty = false;
-      bool full_rows = true;  // the overlap spans whole rows of both piece and target
-      for (size_t d = 0; d < shape.size(); ++d) {
-        lo[d] = std::max(offset[d], piece.offset[d]);
-        len[d] = std::min(offset[d] + shape[d], piece.offset[d] + piece.shape[d]) - lo[d];
-        if (len[d] <= 0) empty = true;
-        if (d > 0 && (len[d] != piece.shape[d] || len[d] != shape[d])) full_rows = false;
-      }
-      if (empty) continue;
-      const SafetensorsFile& file = *index.files[piece.file];
-      at::Tensor dst = local.narrow(0, lo[0] - offset[0], len[0]);
-      if (full_rows && local.device().is_cpu() && dst.is_contiguous()) {
-        // The rows land where they belong: no staging copy.
-        file.read_rows_into(saved_key, lo[0] - piece.offset[0], dst);
-        result.bytes_read += static_cast<int64_t>(dst.nbytes());
-        continue;
-      }
-      at::Tensor rows = file.read_rows(saved_key, lo[0] - piece.offset[0], len[0]);
-      result.bytes_read += static_cast<int64_t>(rows.nbytes());
-      for (size_t d = 1; d < shape.size(); ++d) {
-        rows = rows.narrow(static_cast<int64_t>(d), lo[d] - piece.offset[d], len[d]);
-        dst = dst.narrow(static_cast<int64_t>(d), lo[d] - offset[d], len[d]);
-      }
-      dst.copy_(rows);
-    }
+// The shape, the dtype and the coverage of one planned entry: the saved
+// pieces must hold every element of this rank's region.
+void check_loadable(const PlannedLoad& entry, const SavedIndex& index) {
+  const StateValue& value = *entry.value;
+  const std::string& key = entry.key;
+  const SavedTensor& saved = index.tensors.at(*entry.saved_key);
+  TORCH_CHECK(value.local().defined(), "checkpoint: target key '", key, "' holds an undefined tensor");
+  const std::vector<int64_t> global = value.global_shape();
+  if (global != saved.global_shape) {
+    bool too_small = global.size() == saved.global_shape.size();
+    for (size_t d = 0; too_small && d < global.size(); ++d) too_small = saved.global_shape[d] <= global[d];
+    TORCH_CHECK(false, "checkpoint: key '", key, "' has the global shape ", shape_to_string(global),
+                " in the target but ", shape_to_string(saved.global_shape), " in '", index.dir, "'",
+                missing_shard_file_hint(index, too_small));
   }
+  TORCH_CHECK(value.dtype() == saved.dtype, "checkpoint: key '", key, "' is ", c10::toString(value.dtype()),
+              " in the target but ", c10::toString(saved.dtype), " in '", index.dir,
+              "'; convert the checkpoint or the model first");
+  const std::vector<int64_t> offset = value.local_offset();
+  const std::vector<int64_t> shape = value.local().sizes().vec();
+  int64_t covered = 0;
+  for (const auto& piece : saved.pieces) {
+    int64_t n = 1;
+    for (size_t d = 0; d < shape.size(); ++d) {
+      const int64_t lo = std::max(offset[d], piece.offset[d]);
+      const int64_t hi = std::min(offset[d] + shape[d], piece.offset[d] + piece.shape[d]);
+      n *= std::max<int64_t>(0, hi - lo);
+    }
+    covered += n;
+  }
+  TORCH_CHECK(covered == numel_of(shape), "checkpoint: key '", key, "': the saved pieces in '", index.dir,
+              "' hold only ", covered, " of the ", numel_of(shape), " elements of this rank's region (offset ",
+              shape_to_string(offset), ", shape ", shape_to_string(shape), "): a file of the checkpoint is missing",
+              missing_shard_file_hint(index, false));
+}
+
+// Copies the overlap of `piece` with this rank's region (`local` at
+// `offset`) into `local`. Returns the bytes read.
+int64_t copy_piece(const SafetensorsFile& file, const std::string& saved_key, const SavedPiece& piece,
+                   const at::Tensor& local, const std::vector<int64_t>& offset) {
+  const std::vector<int64_t> shape = local.sizes().vec();
+  std::vector<int64_t> lo(shape.size());
+  std::vector<int64_t> len(shape.size());
+  bool empty = false;
+  bool full_rows = true;  // the overlap spans whole rows of both piece and target
+  for (size_t d = 0; d < shape.size(); ++d) {
+    lo[d] = std::max(offset[d], piece.offset[d]);
+    len[d] = std::min(offset[d] + shape[d], piece.offset[d] + piece.shape[d]) - lo[d];
+    if (len[d] <= 0) empty = true;
+    if (d > 0 && (len[d] != piece.shape[d] || len[d] != shape[d])) full_rows = false;
+  }
+  if (empty) return 0;
+  at::Tensor dst = local.narrow(0, lo[0] - offset[0], len[0]);
+  if (full_rows && local.device().is_cpu() && dst.is_contiguous()) {
+    // The rows land where they belong: no staging copy.
+    file.read_rows_into(saved_key, lo[0] - piece.offset[0], dst);
+    return static_cast<int64_t>(dst.nbytes());
+  }
+  at::Tensor rows = file.read_rows(saved_key, lo[0] - piece.offset[0], len[0]);
+  const auto bytes = static_cast<int64_t>(rows.nbytes());
+  for (size_t d = 1; d < shape.size(); ++d) {
+    rows = rows.narrow(static_cast<int64_t>(d), lo[d] - piece.offset[d], len[d]);
+    dst = dst.narrow(static_cast<int64_t>(d), lo[d] - offset[d], len[d]);
+  }
+  dst.copy_(rows);
+  return bytes;
+}
+
+// Fills the target value of `entry` from its saved pieces. Returns the
+// bytes read.
+int64_t load_entry(const PlannedLoad& entry, const SavedIndex& index) {
+  const at::Tensor& local = entry.value->local();
+  const std::string& saved_key = *entry.saved_key;
+  const SavedTensor& saved = index.tensors.at(saved_key);
+  if (local.dim() == 0) {
+    at::Tensor v = index.files[saved.pieces.front().file]->read(saved_key);
+    local.copy_(v);
+    return static_cast<int64_t>(v.nbytes());
+  }
+  const std::vector<int64_t> offset = entry.value->local_offset();
+  int64_t bytes = 0;
+  for (const auto& piece : saved.pieces) bytes += copy_piece(*index.files[piece.file], saved_key, piece, local, offset);
+  return bytes;
+}
+
+}  // namespace
+
+LoadResult load_into(StateDict& target, const SavedIndex& index, const LoadOptions& options,
+                     const char* strict_option) {
+  const auto start = Clock::now();
+  LoadResult result;
+  result.files = static_cast<int64_t>(index.files.size());
+  const std::vector<PlannedLoad> plan = plan_load(target, index, result);
+  if (options.strict) check_keys_match(result, index, strict_option);
+  // Every entry is checked before anything is copied.
+  for (const auto& entry : plan) check_loadable(entry, index);
+  for (const auto& entry : plan) result.bytes_read += load_entry(entry, index);
   result.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   return result;
 }

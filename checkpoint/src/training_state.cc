@@ -4,11 +4,14 @@
 #include <chrono>
 #include <cstdio>
 #include <exception>
+#include <functional>
 #include <future>
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <type_traits>
 #include <utility>
+#include <variant>
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/tensor.h>
@@ -25,18 +28,47 @@
 
 namespace fsdp::checkpoint {
 
-enum class ItemKind { kStateful, kTensor, kJson, kInt64, kDouble, kString, kBool, kRng };
+// The kinds of item, alternatives of one std::variant so that every
+// std::visit of an item handles each kind or does not compile. Values are
+// held by reference (the user's variables, never null). `kKind` is the name
+// stored in the manifest ("training_state" -> "items" -> name -> "kind") and
+// used in messages.
+struct StatefulItem {
+  static constexpr const char* kKind = "stateful";
+  std::reference_wrapper<Stateful> stateful;
+};
+struct TensorItem {
+  static constexpr const char* kKind = "tensor";
+  StateValue tensor;
+};
+struct JsonItem {
+  static constexpr const char* kKind = "json";
+  std::reference_wrapper<std::string> text;
+};
+struct Int64Item {
+  static constexpr const char* kKind = "int64";
+  std::reference_wrapper<int64_t> value;
+};
+struct DoubleItem {
+  static constexpr const char* kKind = "double";
+  std::reference_wrapper<double> value;
+};
+struct StringItem {
+  static constexpr const char* kKind = "string";
+  std::reference_wrapper<std::string> value;
+};
+struct BoolItem {
+  static constexpr const char* kKind = "bool";
+  std::reference_wrapper<bool> value;
+};
+struct RngItem {
+  static constexpr const char* kKind = "rng";
+  at::Generator generator;
+};
 
 struct TrainingState::Item {
   std::string name;
-  ItemKind kind;
-  Stateful* stateful = nullptr;
-  std::optional<StateValue> tensor;
-  std::string* text = nullptr;  // kJson, kString
-  int64_t* int64 = nullptr;
-  double* number = nullptr;
-  bool* flag = nullptr;
-  std::optional<at::Generator> generator;
+  std::variant<StatefulItem, TensorItem, JsonItem, Int64Item, DoubleItem, StringItem, BoolItem, RngItem> value;
 };
 
 struct TrainingStateAccess {
@@ -51,20 +83,16 @@ using collectives::Communicator;
 using collectives::ReduceOp;
 using nlohmann::json;
 
-// The kind names stored in the manifest ("training_state" -> "items" ->
-// name -> "kind") and used in messages, with the call that registers each.
-const char* kind_name(ItemKind kind) {
-  switch (kind) {
-    case ItemKind::kStateful: return "stateful";
-    case ItemKind::kTensor: return "tensor";
-    case ItemKind::kJson: return "json";
-    case ItemKind::kInt64: return "int64";
-    case ItemKind::kDouble: return "double";
-    case ItemKind::kString: return "string";
-    case ItemKind::kBool: return "bool";
-    case ItemKind::kRng: return "rng";
-  }
-  return "?";
+// Lets std::visit take one lambda per kind of item (the C++17 overload idiom).
+template <typename... Handlers>
+struct Overloaded : Handlers... {
+  using Handlers::operator()...;
+};
+template <typename... Handlers>
+Overloaded(Handlers...) -> Overloaded<Handlers...>;
+
+const char* kind_name(const Item& item) {
+  return std::visit([](const auto& value) { return std::decay_t<decltype(value)>::kKind; }, item.value);
 }
 
 const char* registering_call(const std::string& kind) {
@@ -149,6 +177,19 @@ std::string join_names(const std::vector<std::string>& names) {
   return out.empty() ? "nothing" : out;
 }
 
+// A value item as the manifest's extra stores it.
+json saved_value(const JsonItem& item, const std::string& name) {
+  return detail::parse_json_strict(item.text.get(), "save_training_state: the JSON value '" + name + "'");
+}
+json saved_value(const Int64Item& item, const std::string&) { return item.value.get(); }
+json saved_value(const DoubleItem& item, const std::string&) { return item.value.get(); }
+json saved_value(const StringItem& item, const std::string&) { return item.value.get(); }
+json saved_value(const BoolItem& item, const std::string&) { return item.value.get(); }
+json saved_value(const RngItem& item, const std::string&) {
+  at::Generator gen = item.generator;
+  return generator_state_hex(gen);
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------
@@ -169,59 +210,43 @@ TrainingState& TrainingState::add_item(Item item) {
               "/\" holds add_tensor's tensors); pick another");
   for (const auto& existing : items_) {
     TORCH_CHECK(existing.name != name, "TrainingState: '", name, "' is registered twice (first as ",
-                kind_name(existing.kind), ", now as ", kind_name(item.kind), "); every item needs its own name");
+                kind_name(existing), ", now as ", kind_name(item), "); every item needs its own name");
   }
   items_.push_back(std::move(item));
   return *this;
 }
 
 TrainingState& TrainingState::add(std::string name, Stateful& stateful) {
-  Item item{std::move(name), ItemKind::kStateful};
-  item.stateful = &stateful;
-  return add_item(std::move(item));
+  return add_item(Item{std::move(name), StatefulItem{stateful}});
 }
 
 TrainingState& TrainingState::add_tensor(std::string name, StateValue tensor) {
-  Item item{std::move(name), ItemKind::kTensor};
-  item.tensor = std::move(tensor);
-  return add_item(std::move(item));
+  return add_item(Item{std::move(name), TensorItem{std::move(tensor)}});
 }
 
 TrainingState& TrainingState::add_json(std::string name, std::string& json_text) {
-  Item item{std::move(name), ItemKind::kJson};
-  item.text = &json_text;
-  return add_item(std::move(item));
+  return add_item(Item{std::move(name), JsonItem{json_text}});
 }
 
 TrainingState& TrainingState::add_int64(std::string name, int64_t& value) {
-  Item item{std::move(name), ItemKind::kInt64};
-  item.int64 = &value;
-  return add_item(std::move(item));
+  return add_item(Item{std::move(name), Int64Item{value}});
 }
 
 TrainingState& TrainingState::add_double(std::string name, double& value) {
-  Item item{std::move(name), ItemKind::kDouble};
-  item.number = &value;
-  return add_item(std::move(item));
+  return add_item(Item{std::move(name), DoubleItem{value}});
 }
 
 TrainingState& TrainingState::add_string(std::string name, std::string& value) {
-  Item item{std::move(name), ItemKind::kString};
-  item.text = &value;
-  return add_item(std::move(item));
+  return add_item(Item{std::move(name), StringItem{value}});
 }
 
 TrainingState& TrainingState::add_bool(std::string name, bool& value) {
-  Item item{std::move(name), ItemKind::kBool};
-  item.flag = &value;
-  return add_item(std::move(item));
+  return add_item(Item{std::move(name), BoolItem{value}});
 }
 
 TrainingState& TrainingState::add_rng(std::string name, at::Generator generator) {
   TORCH_CHECK(generator.defined(), "TrainingState::add_rng('", name, "'): the generator is undefined");
-  Item item{std::move(name), ItemKind::kRng};
-  item.generator = std::move(generator);
-  return add_item(std::move(item));
+  return add_item(Item{std::move(name), RngItem{std::move(generator)}});
 }
 
 std::vector<std::string> TrainingState::names() const {
@@ -286,50 +311,28 @@ StagedState collect_items(TrainingState& state) {
   };
   for (const Item& item : items) {
     const std::string& name = item.name;
-    json entry = {{"kind", kind_name(item.kind)}};
-    switch (item.kind) {
-      case ItemKind::kStateful: {
-        StatefulState s = item.stateful->state_dict();
-        json keys = json::array();
-        for (const auto& [key, text] : s.json) {
-          claim(key, "Stateful '" + name + "'");
-          extra[key] = detail::parse_json_strict(
-              text, "save_training_state: the JSON member '" + key + "' of Stateful '" + name + "'");
-          keys.push_back(key);
-        }
-        entry["json_keys"] = std::move(keys);
-        entry["tensors"] = static_cast<int64_t>(s.tensors.size());
-        statefuls.emplace_back(&item, std::move(s));
-        break;
-      }
-      case ItemKind::kTensor: user_tensors.insert(name, *item.tensor); break;
-      case ItemKind::kJson:
-        claim(name, "add_json");
-        extra[name] = detail::parse_json_strict(*item.text, "save_training_state: the JSON value '" + name + "'");
-        break;
-      case ItemKind::kInt64:
-        claim(name, "add_int64");
-        extra[name] = *item.int64;
-        break;
-      case ItemKind::kDouble:
-        claim(name, "add_double");
-        extra[name] = *item.number;
-        break;
-      case ItemKind::kString:
-        claim(name, "add_string");
-        extra[name] = *item.text;
-        break;
-      case ItemKind::kBool:
-        claim(name, "add_bool");
-        extra[name] = *item.flag;
-        break;
-      case ItemKind::kRng: {
-        claim(name, "add_rng");
-        at::Generator gen = *item.generator;
-        extra[name] = generator_state_hex(gen);
-        break;
-      }
-    }
+    json entry = {{"kind", kind_name(item)}};
+    std::visit(Overloaded{
+                   [&](const StatefulItem& stateful) {
+                     StatefulState s = stateful.stateful.get().state_dict();
+                     json keys = json::array();
+                     for (const auto& [key, text] : s.json) {
+                       claim(key, "Stateful '" + name + "'");
+                       extra[key] = detail::parse_json_strict(
+                           text, "save_training_state: the JSON member '" + key + "' of Stateful '" + name + "'");
+                       keys.push_back(key);
+                     }
+                     entry["json_keys"] = std::move(keys);
+                     entry["tensors"] = static_cast<int64_t>(s.tensors.size());
+                     statefuls.emplace_back(&item, std::move(s));
+                   },
+                   [&](const TensorItem& t) { user_tensors.insert(name, t.tensor); },
+                   [&](const auto& value) {
+                     claim(name, registering_call(kind_name(item)));
+                     extra[name] = saved_value(value, name);
+                   },
+               },
+               item.value);
     described[name] = std::move(entry);
   }
   extra[kTrainingStateKey] = {{"version", 1}, {"items", std::move(described)}};
@@ -530,126 +533,191 @@ std::optional<TrainingStateSaveResult> AsyncTrainingStateSaver::wait() {
 // ---------------------------------------------------------------------------
 // Load
 
-TrainingStateLoadResult load_training_state(const std::string& dir, TrainingState& state,
-                                            const std::shared_ptr<Communicator>& group,
-                                            const TrainingStateLoadOptions& options) {
-  TORCH_CHECK(group != nullptr, "load_training_state: the group is null; pass the run's world group");
-  const auto start = Clock::now();
-  auto& items = TrainingStateAccess::items(state);
+namespace {
 
+// What load_training_state reads from a checkpoint's manifest.
+struct SavedTrainingState {
+  CheckpointManifest manifest;
+  std::string manifest_path;
+  // The manifest's extra: the values, the Statefuls' JSON members, the
+  // generators, and under kTrainingStateKey the description of the items.
+  json extra;
+
+  // name -> {"kind": ..., and for a Stateful "json_keys" and "tensors"}
+  const json& items() const { return extra[kTrainingStateKey]["items"]; }
+};
+
+SavedTrainingState read_saved_training_state(const std::string& dir, Communicator& group,
+                                             const TrainingStateLoadOptions& options) {
   TORCH_CHECK(detail::is_directory(dir), "load_training_state: the checkpoint directory '", dir,
               "' does not exist; pass a ROOT/step-N directory that save_training_state wrote, or call ",
               "load_latest_training_state(ROOT, ...), which starts fresh when ROOT holds no checkpoint");
   TORCH_CHECK(detail::is_regular_file(detail::join_path(dir, kManifestFileName)), "load_training_state: '", dir,
               "' has no ", kManifestFileName, ", so it is not a complete checkpoint (a save that did not finish ",
               "leaves ROOT/.tmp-step-N); load one that list_checkpoints(ROOT) lists");
-  if (options.verify) verify_on_rank0(dir, *group);
-  const CheckpointManifest manifest = read_manifest(dir);
-  const std::string manifest_path = detail::join_path(dir, kManifestFileName);
-  const json extra = detail::parse_json_strict(manifest.extra_json, manifest_path + " (extra)");
+  if (options.verify) verify_on_rank0(dir, group);
+  SavedTrainingState saved;
+  saved.manifest = read_manifest(dir);
+  saved.manifest_path = detail::join_path(dir, kManifestFileName);
+  saved.extra = detail::parse_json_strict(saved.manifest.extra_json, saved.manifest_path + " (extra)");
+  const json& extra = saved.extra;
   TORCH_CHECK(extra.is_object() && extra.contains(kTrainingStateKey) && extra[kTrainingStateKey].is_object() &&
                   extra[kTrainingStateKey].contains("items") && extra[kTrainingStateKey]["items"].is_object(),
-              "load_training_state: ", manifest_path, " has no \"extra\": {\"", kTrainingStateKey,
+              "load_training_state: ", saved.manifest_path, " has no \"extra\": {\"", kTrainingStateKey,
               "\": {\"items\": ...}}, so save_training_state did not write it; load its directories with ",
               "load_sharded and its extra JSON with read_manifest instead");
   const json& description = extra[kTrainingStateKey];
-  TORCH_CHECK(description.value("version", 0) == 1, "load_training_state: ", manifest_path,
+  TORCH_CHECK(description.value("version", 0) == 1, "load_training_state: ", saved.manifest_path,
               " describes a training state of version ", description.value("version", 0),
               "; this library reads version 1: load it with the version that wrote it");
-  const json& saved_items = description["items"];
+  return saved;
+}
 
-  TrainingStateLoadResult result;
-  result.dir = dir;
-  result.step = manifest.step;
-  result.saved_world_size = manifest.world_size;
-  result.saved_mesh = manifest.mesh;
+// Whether `v`, the saved value of a value or generator item, has a JSON
+// type `item` can take.
+bool takes_json_type(const Item& item, const json& v) {
+  return std::visit(Overloaded{
+                        [](const StatefulItem&) { return false; },
+                        [](const TensorItem&) { return false; },
+                        [](const JsonItem&) { return true; },
+                        [&](const Int64Item&) { return v.is_number_integer(); },
+                        [&](const DoubleItem&) { return v.is_number(); },
+                        [&](const StringItem&) { return v.is_string(); },
+                        [&](const BoolItem&) { return v.is_boolean(); },
+                        [&](const RngItem&) { return v.is_string(); },
+                    },
+                    item.value);
+}
 
-  // Check every item before loading any.
+// Checks that `item`, which the checkpoint holds, was saved as a kind it
+// can be loaded as, and for a value, with a JSON type it takes.
+void check_saved_as_registered(const Item& item, const SavedTrainingState& saved, const std::string& dir) {
+  const std::string& name = item.name;
+  const std::string registered = kind_name(item);
+  const std::string saved_kind = saved.items()[name].value("kind", "?");
+  const bool compatible = saved_kind == registered || (registered == "json" && is_value_kind(saved_kind));
+  TORCH_CHECK(compatible, "load_training_state: '", name, "' in ", dir, " was saved as ", saved_kind, " (with ",
+              registering_call(saved_kind), ") but is registered as ", registered, " (with ",
+              registering_call(registered), "); register it with ", registering_call(saved_kind),
+              " or give this item another name");
+  if (!is_value_kind(saved_kind) && saved_kind != "rng") return;
+  TORCH_CHECK(saved.extra.contains(name), "load_training_state: ", saved.manifest_path, " describes '", name,
+              "' but its extra holds no value for it; the manifest was edited or damaged");
+  const json& v = saved.extra[name];
+  TORCH_CHECK(takes_json_type(item, v), "load_training_state: '", name, "' in ", saved.manifest_path, " is a JSON ",
+              v.type_name(), ", not the ", registered,
+              " it is registered as; register it with add_json to read any value");
+}
+
+// Checks every registered item before any is loaded, and returns those the
+// checkpoint holds. Lists in `result` the registered items it lacks (when
+// not strict) and the items it holds that are not registered.
+std::vector<const Item*> check_items(const std::vector<Item>& items, const SavedTrainingState& saved,
+                                     const std::string& dir, bool strict, TrainingStateLoadResult& result) {
   std::vector<std::string> saved_names;
-  for (const auto& [name, entry] : saved_items.items())
+  for (const auto& [name, entry] : saved.items().items())
     saved_names.push_back(name + " (" + entry.value("kind", "?") + ")");
   std::vector<const Item*> present;
   for (const Item& item : items) {
     const std::string& name = item.name;
-    const std::string registered = kind_name(item.kind);
-    if (!saved_items.contains(name)) {
-      TORCH_CHECK(!options.strict, "load_training_state: ", dir, " holds no '", name, "' (registered with ",
-                  registering_call(registered), "); it holds: ", join_names(saved_names),
+    if (!saved.items().contains(name)) {
+      TORCH_CHECK(!strict, "load_training_state: ", dir, " holds no '", name, "' (registered with ",
+                  registering_call(kind_name(item)), "); it holds: ", join_names(saved_names),
                   ". Register only what was saved, rename the item to its saved name, or load with strict = false ",
                   "to leave it as it is");
       result.missing_items.push_back(name);
       continue;
     }
-    const std::string saved = saved_items[name].value("kind", "?");
-    const bool compatible = saved == registered || (registered == "json" && is_value_kind(saved));
-    TORCH_CHECK(compatible, "load_training_state: '", name, "' in ", dir, " was saved as ", saved, " (with ",
-                registering_call(saved), ") but is registered as ", registered, " (with ", registering_call(registered),
-                "); register it with ", registering_call(saved), " or give this item another name");
-    if (is_value_kind(saved) || saved == "rng") {
-      TORCH_CHECK(extra.contains(name), "load_training_state: ", manifest_path, " describes '", name,
-                  "' but its extra holds no value for it; the manifest was edited or damaged");
-      const json& v = extra[name];
-      const bool type_ok = registered == "json" || (registered == "int64" && v.is_number_integer()) ||
-                           (registered == "double" && v.is_number()) ||
-                           ((registered == "string" || registered == "rng") && v.is_string()) ||
-                           (registered == "bool" && v.is_boolean());
-      TORCH_CHECK(type_ok, "load_training_state: '", name, "' in ", manifest_path, " is a JSON ", v.type_name(),
-                  ", not the ", registered, " it is registered as; register it with add_json to read any value");
-    }
+    check_saved_as_registered(item, saved, dir);
     present.push_back(&item);
   }
-  for (const auto& [name, entry] : saved_items.items()) {
+  for (const auto& [name, entry] : saved.items().items()) {
     const bool registered = std::any_of(items.begin(), items.end(), [&](const Item& i) { return i.name == name; });
     if (!registered) result.unloaded_items.push_back(name);
   }
+  return present;
+}
+
+// Reads the Stateful's tensors in place from dir/<name>/ and hands them,
+// with its saved JSON members, to its load_state_dict(). Returns the
+// bytes read.
+int64_t load_stateful(Stateful& stateful, const std::string& name, const SavedTrainingState& saved,
+                      const std::string& dir, const LoadOptions& load_options) {
+  StatefulState s = stateful.state_dict();
+  const json& entry = saved.items()[name];
+  int64_t bytes_read = 0;
+  if (!s.tensors.empty() || entry.value("tensors", int64_t{0}) > 0) {
+    const detail::SavedIndex index = detail::SavedIndex::build(detail::join_path(dir, name));
+    const LoadResult loaded =
+        detail::load_into(s.tensors, index, load_options, "TrainingStateLoadOptions::strict_tensors");
+    bytes_read = loaded.bytes_read;
+  }
+  s.json.clear();
+  for (const auto& key : entry.value("json_keys", json::array())) {
+    const std::string k = key.get<std::string>();
+    TORCH_CHECK(saved.extra.contains(k), "load_training_state: ", saved.manifest_path, " lists '", k,
+                "' for Stateful '", name, "' but its extra does not hold it; the manifest was edited or damaged");
+    s.json[k] = saved.extra[k].dump();
+  }
+  stateful.load_state_dict(s);
+  return bytes_read;
+}
+
+void restore_generator(const at::Generator& generator, const std::string& name, const SavedTrainingState& saved) {
+  const at::Tensor bytes =
+      from_hex(saved.extra[name].get<std::string>(), "load_training_state: the generator state '" + name + "'");
+  at::Generator gen = generator;
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  try {
+    gen.set_state(bytes);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "load_training_state: the generator state '", name, "' in ", saved.manifest_path,
+                " does not fit the registered generator (", gen.device(),
+                "); register the same kind of generator that was saved: ", e.what_without_backtrace());
+  }
+}
+
+// Loads one checked item. The tensors of add_tensor are only gathered into
+// `user_tensors`: they are read together, from one directory.
+void load_item(const Item& item, const SavedTrainingState& saved, const std::string& dir,
+               const LoadOptions& load_options, StateDict& user_tensors, TrainingStateLoadResult& result) {
+  const std::string& name = item.name;
+  std::visit(Overloaded{
+                 [&](const StatefulItem& s) {
+                   result.bytes_read += load_stateful(s.stateful.get(), name, saved, dir, load_options);
+                 },
+                 [&](const TensorItem& t) { user_tensors.insert(name, t.tensor); },
+                 [&](const JsonItem& j) { j.text.get() = saved.extra[name].dump(); },
+                 [&](const Int64Item& i) { i.value.get() = saved.extra[name].get<int64_t>(); },
+                 [&](const DoubleItem& d) { d.value.get() = saved.extra[name].get<double>(); },
+                 [&](const StringItem& t) { t.value.get() = saved.extra[name].get<std::string>(); },
+                 [&](const BoolItem& b) { b.value.get() = saved.extra[name].get<bool>(); },
+                 [&](const RngItem& r) { restore_generator(r.generator, name, saved); },
+             },
+             item.value);
+}
+
+}  // namespace
+
+TrainingStateLoadResult load_training_state(const std::string& dir, TrainingState& state,
+                                            const std::shared_ptr<Communicator>& group,
+                                            const TrainingStateLoadOptions& options) {
+  TORCH_CHECK(group != nullptr, "load_training_state: the group is null; pass the run's world group");
+  const auto start = Clock::now();
+  const SavedTrainingState saved = read_saved_training_state(dir, *group, options);
+
+  TrainingStateLoadResult result;
+  result.dir = dir;
+  result.step = saved.manifest.step;
+  result.saved_world_size = saved.manifest.world_size;
+  result.saved_mesh = saved.manifest.mesh;
+  const std::vector<const Item*> present =
+      check_items(TrainingStateAccess::items(state), saved, dir, options.strict, result);
 
   LoadOptions load_options;
   load_options.strict = options.strict_tensors;
   StateDict user_tensors;
-  for (const Item* item : present) {
-    const std::string& name = item->name;
-    switch (item->kind) {
-      case ItemKind::kStateful: {
-        StatefulState s = item->stateful->state_dict();
-        const json& entry = saved_items[name];
-        if (!s.tensors.empty() || entry.value("tensors", int64_t{0}) > 0) {
-          const detail::SavedIndex index = detail::SavedIndex::build(detail::join_path(dir, name));
-          const LoadResult loaded =
-              detail::load_into(s.tensors, index, load_options, "TrainingStateLoadOptions::strict_tensors");
-          result.bytes_read += loaded.bytes_read;
-        }
-        s.json.clear();
-        for (const auto& key : entry.value("json_keys", json::array())) {
-          const std::string k = key.get<std::string>();
-          TORCH_CHECK(extra.contains(k), "load_training_state: ", manifest_path, " lists '", k, "' for Stateful '",
-                      name, "' but its extra does not hold it; the manifest was edited or damaged");
-          s.json[k] = extra[k].dump();
-        }
-        item->stateful->load_state_dict(s);
-        break;
-      }
-      case ItemKind::kTensor: user_tensors.insert(name, *item->tensor); break;
-      case ItemKind::kJson: *item->text = extra[name].dump(); break;
-      case ItemKind::kInt64: *item->int64 = extra[name].get<int64_t>(); break;
-      case ItemKind::kDouble: *item->number = extra[name].get<double>(); break;
-      case ItemKind::kString: *item->text = extra[name].get<std::string>(); break;
-      case ItemKind::kBool: *item->flag = extra[name].get<bool>(); break;
-      case ItemKind::kRng: {
-        const at::Tensor bytes =
-            from_hex(extra[name].get<std::string>(), "load_training_state: the generator state '" + name + "'");
-        at::Generator gen = *item->generator;
-        std::lock_guard<std::mutex> lock(gen.mutex());
-        try {
-          gen.set_state(bytes);
-        } catch (const c10::Error& e) {
-          TORCH_CHECK(false, "load_training_state: the generator state '", name, "' in ", manifest_path,
-                      " does not fit the registered generator (", gen.device(),
-                      "); register the same kind of generator that was saved: ", e.what_without_backtrace());
-        }
-        break;
-      }
-    }
-  }
+  for (const Item* item : present) load_item(*item, saved, dir, load_options, user_tensors, result);
   if (!user_tensors.empty()) {
     // Not strict: the directory may hold tensors this state does not
     // register; those it registers were checked above to be saved.

@@ -224,78 +224,70 @@ std::string describe_failure(const AttemptResult& result) {
   return "failed with exit code " + std::to_string(result.status);
 }
 
-// Starts the ranks of attempt `attempt` (0 first) and waits for all of them;
-// after the first failure the others are stopped. Every attempt has its own
-// MASTER_PORT: rank 0 of the new attempt hosts a new store, so no rank ever
-// reads a key a rank of an earlier attempt wrote (torchrun gets the same
-// from its per-attempt store prefix).
-AttemptResult run_attempt(const LaunchOptions& options, const std::string& path, const std::vector<std::string>& args,
-                          int attempt) {
-  const char* name = options.name.c_str();
-  AttemptResult result;
-  const int port = free_port();
-  if (port < 0) {
-    std::fprintf(stderr, "%s: cannot find a free port on 127.0.0.1: %s\n", name, std::strerror(errno));
-    result.status = 1;
-    return result;
-  }
-  const std::vector<char*> argv = c_strings(args);
-  const pid_t self = ::getpid();
-  std::fflush(stdout);
-  std::fflush(stderr);
-
-  std::map<pid_t, int> running;  // pid -> rank
+// The ranks of one attempt while they run.
+struct RunningRanks {
+  std::map<pid_t, int> rank_of;  // pid -> rank, of the ranks not yet reaped
   std::vector<OutputStream> streams;
-  int& first_failure = result.status;
-  for (int r = 0; r < options.nproc && g_stop_signal == 0; ++r) {
-    const std::vector<std::string> env =
-        rank_environment(r, options.nproc, port, attempt, options.max_restarts, options.extra_env);
-    const std::vector<char*> envp = c_strings(env);
-    int out_pipe[2] = {-1, -1}, err_pipe[2] = {-1, -1};
-    if (options.prefix_output && (::pipe2(out_pipe, O_CLOEXEC) != 0 || ::pipe2(err_pipe, O_CLOEXEC) != 0)) {
-      std::fprintf(stderr, "%s: pipe for rank %d failed: %s\n", name, r, std::strerror(errno));
-      first_failure = 1;
-      break;
-    }
-    const pid_t pid = ::fork();
-    if (pid == 0) exec_rank(self, path.c_str(), argv.data(), envp.data(), out_pipe[1], err_pipe[1]);
-    if (options.prefix_output) {
-      ::close(out_pipe[1]);
-      ::close(err_pipe[1]);
-    }
-    if (pid < 0) {
-      std::fprintf(stderr, "%s: fork of rank %d failed: %s\n", name, r, std::strerror(errno));
-      if (options.prefix_output) {
-        ::close(out_pipe[0]);
-        ::close(err_pipe[0]);
-      }
-      first_failure = 1;
-      break;
-    }
-    running[pid] = r;
-    if (options.prefix_output) {
-      const std::string prefix = "[rank" + std::to_string(r) + "] ";
-      streams.push_back(OutputStream{out_pipe[0], STDOUT_FILENO, prefix, {}});
-      streams.push_back(OutputStream{err_pipe[0], STDERR_FILENO, prefix, {}});
-    }
-  }
 
-  // After the first failure the others are stopped: they would otherwise wait
-  // for the failed rank in a collective until their timeout.
-  auto kill_all = [&running](int sig) {
-    for (const auto& [pid, rank] : running) ::kill(pid, sig);
-  };
-  if (first_failure != 0) kill_all(SIGTERM);
+  void signal_all(int sig) const {
+    for (const auto& [pid, rank] : rank_of) ::kill(pid, sig);
+  }
+};
+
+// Forks and execs rank `rank`, its output through pipes when
+// options.prefix_output. Returns false, having said why, when it could not.
+bool start_rank(int rank, const LaunchOptions& options, const std::string& path, const std::vector<char*>& argv,
+                int port, int attempt, RunningRanks& ranks) {
+  const char* name = options.name.c_str();
+  const std::vector<std::string> env =
+      rank_environment(rank, options.nproc, port, attempt, options.max_restarts, options.extra_env);
+  const std::vector<char*> envp = c_strings(env);
+  int out_pipe[2] = {-1, -1}, err_pipe[2] = {-1, -1};
+  if (options.prefix_output && (::pipe2(out_pipe, O_CLOEXEC) != 0 || ::pipe2(err_pipe, O_CLOEXEC) != 0)) {
+    std::fprintf(stderr, "%s: pipe for rank %d failed: %s\n", name, rank, std::strerror(errno));
+    return false;
+  }
+  const pid_t self = ::getpid();
+  const pid_t pid = ::fork();
+  if (pid == 0) exec_rank(self, path.c_str(), argv.data(), envp.data(), out_pipe[1], err_pipe[1]);
+  if (options.prefix_output) {
+    ::close(out_pipe[1]);
+    ::close(err_pipe[1]);
+  }
+  if (pid < 0) {
+    std::fprintf(stderr, "%s: fork of rank %d failed: %s\n", name, rank, std::strerror(errno));
+    if (options.prefix_output) {
+      ::close(out_pipe[0]);
+      ::close(err_pipe[0]);
+    }
+    return false;
+  }
+  ranks.rank_of[pid] = rank;
+  if (options.prefix_output) {
+    const std::string prefix = "[rank" + std::to_string(rank) + "] ";
+    ranks.streams.push_back(OutputStream{out_pipe[0], STDOUT_FILENO, prefix, {}});
+    ranks.streams.push_back(OutputStream{err_pipe[0], STDERR_FILENO, prefix, {}});
+  }
+  return true;
+}
+
+// Reaps the ranks, passing their output on, until all are gone. The first
+// failure (or a stop signal to the launcher) stops the others: they would
+// otherwise wait for the failed rank in a collective until their timeout.
+void wait_for_ranks(RunningRanks& ranks, const LaunchOptions& options, AttemptResult& result) {
+  const char* name = options.name.c_str();
+  int& first_failure = result.status;
+  if (first_failure != 0) ranks.signal_all(SIGTERM);
   auto deadline = std::chrono::steady_clock::now() + options.grace_period;
   bool killed = false, stopping = false;
-  while (!running.empty() || (g_stop_signal != 0 && !stopping)) {
-    poll_streams(streams, 20);
+  while (!ranks.rank_of.empty() || (g_stop_signal != 0 && !stopping)) {
+    poll_streams(ranks.streams, 20);
     if (const int sig = g_stop_signal; sig != 0 && !stopping) {
       stopping = true;
       std::fprintf(stderr, "%s: got signal %d (%s); stopping the ranks\n", name, sig, strsignal(sig));
       // The caller sees g_stop_signal and does not restart.
       if (first_failure == 0) first_failure = 128 + sig;
-      kill_all(sig);
+      ranks.signal_all(sig);
       deadline = std::chrono::steady_clock::now() + options.grace_period;
       continue;
     }
@@ -307,15 +299,15 @@ AttemptResult run_attempt(const LaunchOptions& options, const std::string& path,
     }
     if (pid == 0) {
       if (first_failure != 0 && !killed && std::chrono::steady_clock::now() > deadline) {
-        kill_all(SIGKILL);
+        ranks.signal_all(SIGKILL);
         killed = true;
       }
       continue;
     }
-    auto it = running.find(pid);
-    if (it == running.end()) continue;
+    auto it = ranks.rank_of.find(pid);
+    if (it == ranks.rank_of.end()) continue;
     const int rank = it->second;
-    running.erase(it);
+    ranks.rank_of.erase(it);
     if (WIFEXITED(status) && WEXITSTATUS(status) == 0) continue;
     if (first_failure != 0) continue;  // stopped by us, or failing for the same reason
     first_failure = exit_code_of(status);
@@ -323,15 +315,18 @@ AttemptResult run_attempt(const LaunchOptions& options, const std::string& path,
     result.failed_rank = rank;
     result.signal = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
     // The failed rank's last words come before the launcher's verdict.
-    poll_streams(streams, 0);
+    poll_streams(ranks.streams, 0);
     std::fprintf(stderr, "%s: rank %d %s; stopping the other ranks\n", name, rank,
                  result.signal != 0 ? describe_failure(result).c_str()
                                     : ("exited with code " + std::to_string(first_failure)).c_str());
-    kill_all(SIGTERM);
+    ranks.signal_all(SIGTERM);
     deadline = std::chrono::steady_clock::now() + options.grace_period;
   }
-  // What the ranks wrote last. A process the ranks started may still hold a
-  // pipe open: give up on it after a moment rather than wait for it.
+}
+
+// What the ranks wrote last. A process the ranks started may still hold a
+// pipe open: give up on it after a moment rather than wait for it.
+void drain_output(std::vector<OutputStream>& streams) {
   const auto drain_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
   for (;;) {
     bool open = false;
@@ -348,6 +343,34 @@ AttemptResult run_attempt(const LaunchOptions& options, const std::string& path,
     }
     poll_streams(streams, 20);
   }
+}
+
+// Starts the ranks of attempt `attempt` (0 first) and waits for all of them;
+// after the first failure the others are stopped. Every attempt has its own
+// MASTER_PORT: rank 0 of the new attempt hosts a new store, so no rank ever
+// reads a key a rank of an earlier attempt wrote (torchrun gets the same
+// from its per-attempt store prefix).
+AttemptResult run_attempt(const LaunchOptions& options, const std::string& path, const std::vector<std::string>& args,
+                          int attempt) {
+  AttemptResult result;
+  const int port = free_port();
+  if (port < 0) {
+    std::fprintf(stderr, "%s: cannot find a free port on 127.0.0.1: %s\n", options.name.c_str(), std::strerror(errno));
+    result.status = 1;
+    return result;
+  }
+  const std::vector<char*> argv = c_strings(args);
+  std::fflush(stdout);
+  std::fflush(stderr);
+  RunningRanks ranks;
+  for (int r = 0; r < options.nproc && g_stop_signal == 0; ++r) {
+    if (!start_rank(r, options, path, argv, port, attempt, ranks)) {
+      result.status = 1;
+      break;
+    }
+  }
+  wait_for_ranks(ranks, options, result);
+  drain_output(ranks.streams);
   return result;
 }
 

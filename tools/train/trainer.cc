@@ -164,35 +164,24 @@ void print_header(const TrainConfig& c, const fsdp::DeviceMesh& mesh, const Corp
   std::fflush(stdout);
 }
 
-}  // namespace
-
-TrainingResult run_training(const TrainConfig& c, const std::shared_ptr<fsdp::collectives::World>& world) {
-  const int rank = world->rank(), world_size = world->size();
-  const c10::Device device = rank_device(c, *world);
-  // Ranks on one machine share its cores.
-  const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
-  at::set_num_threads(static_cast<int>(c.threads > 0 ? c.threads : std::max<int64_t>(1, cores / world->local_size())));
-
-  const Corpus corpus = value_or_throw(load_corpus(c.data_path, c.seq_len + 2));
-  const BatchSampler sampler(corpus.bytes, c.global_batch, c.seq_len, c.seed);
-
-  // The mesh: 1-D over all ranks, or (--mesh RxS, R > 1) 2-D for HSDP.
-  const MeshShape shape = value_or_throw(parse_mesh(c.mesh, world_size));
-  const fsdp::DeviceMesh mesh =
-      shape.replicate > 1
-          ? fsdp::init_device_mesh(world, device.type(), {shape.replicate, shape.shard}, {"replicate", "shard"})
-          : fsdp::init_device_mesh(world, device.type(), {world_size}, {"shard"});
-  // A CPU group over all ranks for the metrics (loss, memory, timings).
-  const std::shared_ptr<Communicator> metrics = world->new_group(world->all_ranks(), c10::kCPU);
-
+ModelConfig model_config(const TrainConfig& c) {
   ModelConfig mc;
   mc.dim = c.dim;
   mc.layers = c.layers;
   mc.heads = c.heads;
   mc.hidden = hidden_size(c);
   mc.max_seq_len = c.seq_len;
-  const int64_t params = parameter_count(mc);
+  return mc;
+}
 
+// The model and, unless --no-shard, its fully_shard root.
+struct ShardedModel {
+  std::shared_ptr<Transformer> model;
+  std::optional<fsdp::FSDPModule> root;
+};
+
+ShardedModel build_model(const TrainConfig& c, const ModelConfig& mc, const fsdp::DeviceMesh& mesh,
+                         const c10::Device& device) {
   // Deferred init: the model is built block by block, each block initialised
   // from (seed, parameter FQN) and sharded before the next one exists, so no
   // rank holds all of the model and the initial values are the same at every
@@ -225,9 +214,129 @@ TrainingResult run_training(const TrainConfig& c, const std::shared_ptr<fsdp::co
     fsdp::FSDPModule sharded = fsdp::fully_shard(block, block_options);
     if (block_all_gather) sharded.set_custom_all_gather(block_all_gather);
   };
-  std::shared_ptr<Transformer> model = build_transformer(mc, c.seed, device, on_block);
-  std::optional<fsdp::FSDPModule> root;
-  if (!c.no_shard) root = fsdp::fully_shard(model, options);
+  ShardedModel out;
+  out.model = build_transformer(mc, c.seed, device, on_block);
+  if (!c.no_shard) out.root = fsdp::fully_shard(out.model, options);
+  return out;
+}
+
+// The mesh: 1-D over all ranks, or (--mesh RxS, R > 1) 2-D for HSDP.
+fsdp::DeviceMesh make_mesh(const TrainConfig& c, const std::shared_ptr<fsdp::collectives::World>& world,
+                           const c10::Device& device) {
+  const int world_size = world->size();
+  const MeshShape shape = value_or_throw(parse_mesh(c.mesh, world_size));
+  return shape.replicate > 1
+             ? fsdp::init_device_mesh(world, device.type(), {shape.replicate, shape.shard}, {"replicate", "shard"})
+             : fsdp::init_device_mesh(world, device.type(), {world_size}, {"shard"});
+}
+
+// One optimizer step of step `step` on this rank's `batch`; returns this
+// rank's loss.
+double train_step(const TrainConfig& c, int64_t step, const Batch& batch, const c10::Device& device,
+                  ShardedModel& sharded, torch::optim::AdamW& optim) {
+  Transformer& model = *sharded.model;
+  std::optional<fsdp::FSDPModule>& root = sharded.root;
+  for (auto& group : optim.param_groups()) {
+    static_cast<torch::optim::AdamWOptions&>(group.options()).lr(learning_rate(c, step));
+  }
+  const at::Tensor inputs = batch.inputs.to(device), targets = batch.targets.to(device);
+
+  optim.zero_grad();
+  const at::Tensor logits = fsdp::call_module(model, inputs);  // the root, through its FSDP hooks
+  const at::Tensor loss = at::cross_entropy_loss(logits.flatten(0, 1).to(at::kFloat), targets.flatten());
+  loss.backward();
+  if (c.clip > 0 && root) fsdp::clip_grads_with_norm_(*root, c.clip, fsdp::get_total_norm(*root));  // no host sync
+  if (c.clip > 0 && !root) torch::nn::utils::clip_grad_norm_(model.parameters(), c.clip);
+  optim.step();
+  return loss.item<double>();
+}
+
+// The record of step `step`, the same on every rank (collective over
+// `metrics`). The global batch's loss: every rank has the same number of
+// rows, so the mean of the ranks' means is the global mean.
+StepRecord record_step(Communicator& metrics, int64_t step, double local_loss, double seconds,
+                       const c10::Device& device, double tokens_per_step) {
+  StepRecord record;
+  record.step = step;
+  record.loss = all_reduce(metrics, local_loss, ReduceOp::sum(), kStepMetricsLabel) / metrics.size();
+  record.peak_mem_bytes = all_reduce(metrics, peak_memory_bytes(device), ReduceOp::max(), kStepMetricsLabel);
+  record.seconds = all_reduce(metrics, seconds, ReduceOp::max(), kStepMetricsLabel);
+  record.tokens_per_s = tokens_per_step / record.seconds;
+  return record;
+}
+
+TrainingResult training_result(const std::vector<StepRecord>& records, const std::optional<fsdp::FSDPModule>& root) {
+  TrainingResult result;
+  result.records = records;
+  if (root) {
+    const fsdp::RuntimeStats stats = root->runtime_stats();
+    const double steps = static_cast<double>(records.size());
+    result.all_gather_bytes_per_step = static_cast<double>(stats.all_gather_bytes) / steps;
+    result.all_gathers_per_step = static_cast<double>(stats.all_gathers) / steps;
+  }
+  return result;
+}
+
+// Rank 0's summary of the run. `times` holds each rank's all-gather wait,
+// reduce-scatter wait and total step seconds, `peaks` each rank's peak memory.
+void print_summary(const TrainConfig& c, const fsdp::DeviceMesh& mesh, const c10::Device& device,
+                   const std::vector<StepRecord>& records, const TrainingResult& result, bool sharded,
+                   const std::vector<double>& times, const std::vector<int64_t>& peaks) {
+  const int world_size = static_cast<int>(peaks.size());
+  const double tokens_per_step = static_cast<double>(c.global_batch * c.seq_len);
+  double ag = 0, rs = 0, total = 0;
+  for (int r = 0; r < world_size; ++r) {
+    ag += times[3 * r] / world_size;
+    rs += times[3 * r + 1] / world_size;
+    total += times[3 * r + 2] / world_size;
+  }
+  double timed = 0;
+  for (size_t i = 0; i < records.size(); ++i) timed += i > 0 || records.size() == 1 ? records[i].seconds : 0.0;
+  const double timed_steps = records.size() > 1 ? static_cast<double>(records.size() - 1) : 1.0;
+  std::vector<std::string> peak_text;
+  for (int r = 0; r < world_size; ++r) peak_text.push_back(absl::StrFormat("rank %d %s", r, format_bytes(peaks[r])));
+  const double exposed = ag + rs;
+  std::printf("summary\n");
+  std::printf("  world size    %d, mesh %s\n", world_size, mesh.to_string().c_str());
+  std::printf("  loss          %.4f (step %lld) -> %.4f (step %lld)\n", records.front().loss,
+              static_cast<long long>(records.front().step), records.back().loss,
+              static_cast<long long>(records.back().step));
+  std::printf("  throughput    %s tokens/s mean%s\n", format_count(tokens_per_step * timed_steps / timed).c_str(),
+              records.size() > 1 ? " (the first step of the run is warm-up)" : "");
+  std::printf("  step time     %.2f s (mean over ranks)\n", total);
+  std::printf("  exposed comm  %.2f s (%.1f%%): all-gather wait %.2f s, reduce-scatter wait %.2f s%s\n", exposed,
+              100.0 * exposed / total, ag, rs, device.is_cuda() ? " (host-blocked only; on CUDA use a profiler)" : "");
+  std::printf("  compute+rest  %.2f s (%.1f%%)\n", total - exposed, 100.0 * (total - exposed) / total);
+  std::printf("  peak memory   %s (%s)\n", absl::StrJoin(peak_text, ", ").c_str(),
+              device.is_cuda() ? "CUDA caching allocator" : "max RSS");
+  if (sharded) {
+    std::printf("  all-gather    %s received per step by rank 0 (%.0f all-gathers%s)\n",
+                format_bytes(static_cast<int64_t>(result.all_gather_bytes_per_step)).c_str(),
+                result.all_gathers_per_step, c.all_gather_dtype == "int8" ? ", the blocks' in int8" : "");
+  }
+}
+
+}  // namespace
+
+TrainingResult run_training(const TrainConfig& c, const std::shared_ptr<fsdp::collectives::World>& world) {
+  const int rank = world->rank(), world_size = world->size();
+  const c10::Device device = rank_device(c, *world);
+  // Ranks on one machine share its cores.
+  const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
+  at::set_num_threads(static_cast<int>(c.threads > 0 ? c.threads : std::max<int64_t>(1, cores / world->local_size())));
+
+  const Corpus corpus = value_or_throw(load_corpus(c.data_path, c.seq_len + 2));
+  const BatchSampler sampler(corpus.bytes, c.global_batch, c.seq_len, c.seed);
+
+  const fsdp::DeviceMesh mesh = make_mesh(c, world, device);
+  // A CPU group over all ranks for the metrics (loss, memory, timings).
+  const std::shared_ptr<Communicator> metrics = world->new_group(world->all_ranks(), c10::kCPU);
+
+  const ModelConfig mc = model_config(c);
+  const int64_t params = parameter_count(mc);
+  ShardedModel sharded = build_model(c, mc, mesh, device);
+  const std::shared_ptr<Transformer>& model = sharded.model;
+  std::optional<fsdp::FSDPModule>& root = sharded.root;
 
   // The optimizer comes after fully_shard: it must see the sharded parameters.
   torch::optim::AdamW optim(model->parameters(),
@@ -271,33 +380,14 @@ TrainingResult run_training(const TrainConfig& c, const std::shared_ptr<fsdp::co
   if (profile) profiler.emplace(*profile);
   for (int64_t step = first_step; step <= last_step; ++step) {
     const auto start = Clock::now();
-    for (auto& group : optim.param_groups()) {
-      static_cast<torch::optim::AdamWOptions&>(group.options()).lr(learning_rate(c, step));
-    }
     // This rank's rows of global batch `step`.
     const Batch batch = sampler.local_batch(step, rank, world_size);
-    const at::Tensor inputs = batch.inputs.to(device), targets = batch.targets.to(device);
-
-    optim.zero_grad();
-    const at::Tensor logits = fsdp::call_module(*model, inputs);  // the root, through its FSDP hooks
-    const at::Tensor loss = at::cross_entropy_loss(logits.flatten(0, 1).to(at::kFloat), targets.flatten());
-    loss.backward();
-    if (c.clip > 0 && root) fsdp::clip_grads_with_norm_(*root, c.clip, fsdp::get_total_norm(*root));  // no host sync
-    if (c.clip > 0 && !root) torch::nn::utils::clip_grad_norm_(model->parameters(), c.clip);
-    optim.step();
-    const double local_loss = loss.item<double>();
+    const double local_loss = train_step(c, step, batch, device, sharded, optim);
     if (device.is_cuda()) torch::cuda::synchronize(device.index());
     const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
     step_seconds_total += seconds;
 
-    // The global batch's loss: every rank has the same number of rows, so the
-    // mean of the ranks' means is the global mean.
-    StepRecord record;
-    record.step = step;
-    record.loss = all_reduce(*metrics, local_loss, ReduceOp::sum(), kStepMetricsLabel) / world_size;
-    record.peak_mem_bytes = all_reduce(*metrics, peak_memory_bytes(device), ReduceOp::max(), kStepMetricsLabel);
-    record.seconds = all_reduce(*metrics, seconds, ReduceOp::max(), kStepMetricsLabel);
-    record.tokens_per_s = tokens_per_step / record.seconds;
+    const StepRecord record = record_step(*metrics, step, local_loss, seconds, device, tokens_per_step);
     records.push_back(record);
     if (rank == 0) progress.update(record);
     if (profiler) profiler->step();
@@ -329,14 +419,7 @@ TrainingResult run_training(const TrainConfig& c, const std::shared_ptr<fsdp::co
     }
     return {};
   }
-  TrainingResult result;
-  result.records = records;
-  if (root) {
-    const fsdp::RuntimeStats stats = root->runtime_stats();
-    const double steps = static_cast<double>(records.size());
-    result.all_gather_bytes_per_step = static_cast<double>(stats.all_gather_bytes) / steps;
-    result.all_gathers_per_step = static_cast<double>(stats.all_gathers) / steps;
-  }
+  const TrainingResult result = training_result(records, root);
 
   // Per-rank summary numbers, gathered (collective: every rank takes part).
   const std::vector<int64_t> peaks =
@@ -345,37 +428,7 @@ TrainingResult run_training(const TrainConfig& c, const std::shared_ptr<fsdp::co
   const std::vector<double> times = all_gather(
       *metrics, std::vector<double>{comm.all_gather, comm.reduce_scatter, step_seconds_total}, kRunSummaryLabel);
   if (rank == 0) {
-    double ag = 0, rs = 0, total = 0;
-    for (int r = 0; r < world_size; ++r) {
-      ag += times[3 * r] / world_size;
-      rs += times[3 * r + 1] / world_size;
-      total += times[3 * r + 2] / world_size;
-    }
-    double timed = 0;
-    for (size_t i = 0; i < records.size(); ++i) timed += i > 0 || records.size() == 1 ? records[i].seconds : 0.0;
-    const double timed_steps = records.size() > 1 ? static_cast<double>(records.size() - 1) : 1.0;
-    std::vector<std::string> peak_text;
-    for (int r = 0; r < world_size; ++r) peak_text.push_back(absl::StrFormat("rank %d %s", r, format_bytes(peaks[r])));
-    const double exposed = ag + rs;
-    std::printf("summary\n");
-    std::printf("  world size    %d, mesh %s\n", world_size, mesh.to_string().c_str());
-    std::printf("  loss          %.4f (step %lld) -> %.4f (step %lld)\n", records.front().loss,
-                static_cast<long long>(records.front().step), records.back().loss,
-                static_cast<long long>(records.back().step));
-    std::printf("  throughput    %s tokens/s mean%s\n", format_count(tokens_per_step * timed_steps / timed).c_str(),
-                records.size() > 1 ? " (the first step of the run is warm-up)" : "");
-    std::printf("  step time     %.2f s (mean over ranks)\n", total);
-    std::printf("  exposed comm  %.2f s (%.1f%%): all-gather wait %.2f s, reduce-scatter wait %.2f s%s\n", exposed,
-                100.0 * exposed / total, ag, rs,
-                device.is_cuda() ? " (host-blocked only; on CUDA use a profiler)" : "");
-    std::printf("  compute+rest  %.2f s (%.1f%%)\n", total - exposed, 100.0 * (total - exposed) / total);
-    std::printf("  peak memory   %s (%s)\n", absl::StrJoin(peak_text, ", ").c_str(),
-                device.is_cuda() ? "CUDA caching allocator" : "max RSS");
-    if (root) {
-      std::printf("  all-gather    %s received per step by rank 0 (%.0f all-gathers%s)\n",
-                  format_bytes(static_cast<int64_t>(result.all_gather_bytes_per_step)).c_str(),
-                  result.all_gathers_per_step, c.all_gather_dtype == "int8" ? ", the blocks' in int8" : "");
-    }
+    print_summary(c, mesh, device, records, result, root.has_value(), times, peaks);
     std::fflush(stdout);
     if (!c.json_path.empty()) {
       const absl::Status written = write_json(c.json_path, world_size, mesh.to_string(), records);
