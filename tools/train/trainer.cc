@@ -316,6 +316,43 @@ void print_summary(const TrainConfig& c, const fsdp::DeviceMesh& mesh, const c10
   }
 }
 
+// Saves the training state after `step` (in the background with
+// --async-save, when `background` is set).
+void save_step(const TrainConfig& c, int64_t step, int world_size, const std::string& mesh_text,
+               torch::nn::Module& model, torch::optim::Optimizer& optim, BackgroundCheckpointer* background,
+               const std::shared_ptr<Communicator>& metrics) {
+  TrainingProgress saved;
+  saved.step = step;
+  saved.world_size = world_size;
+  saved.mesh = mesh_text;
+  saved.samples_seen = step * c.global_batch;
+  if (background != nullptr) {
+    background->save(saved, model, optim);
+  } else {
+    save_checkpoint(c.save_dir, c.keep, saved, model, optim, metrics);
+  }
+}
+
+// The run's summary on rank 0, and --json. Collective over `metrics`: every
+// rank's peak memory and timings are gathered.
+void report_run(const TrainConfig& c, const fsdp::DeviceMesh& mesh, const c10::Device& device,
+                const std::vector<StepRecord>& records, const TrainingResult& result,
+                const std::optional<fsdp::FSDPModule>& root, Communicator& metrics, double step_seconds_total) {
+  const std::vector<int64_t> peaks =
+      all_gather(metrics, std::vector<int64_t>{peak_memory_bytes(device)}, kRunSummaryLabel);
+  const CommSeconds comm = root ? exposed_comm_seconds(*root) : CommSeconds{};
+  const std::vector<double> times = all_gather(
+      metrics, std::vector<double>{comm.all_gather, comm.reduce_scatter, step_seconds_total}, kRunSummaryLabel);
+  if (metrics.rank() != 0) return;
+  print_summary(c, mesh, device, records, result, root.has_value(), times, peaks);
+  std::fflush(stdout);
+  if (c.json_path.empty()) return;
+  const absl::Status written = write_json(c.json_path, static_cast<int>(peaks.size()), mesh.to_string(), records);
+  if (!written.ok()) throw std::runtime_error(std::string(written.message()));
+  std::printf("  json          %s\n", c.json_path.c_str());
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 TrainingResult run_training(const TrainConfig& c, const std::shared_ptr<fsdp::collectives::World>& world) {
@@ -391,18 +428,7 @@ TrainingResult run_training(const TrainConfig& c, const std::shared_ptr<fsdp::co
     records.push_back(record);
     if (rank == 0) progress.update(record);
     if (profiler) profiler->step();
-    if (checkpoint_due(step)) {
-      TrainingProgress saved;
-      saved.step = step;
-      saved.world_size = world_size;
-      saved.mesh = mesh_text;
-      saved.samples_seen = step * c.global_batch;
-      if (background) {
-        background->save(saved, *model, optim);
-      } else {
-        save_checkpoint(c.save_dir, c.keep, saved, *model, optim, metrics);
-      }
-    }
+    if (checkpoint_due(step)) save_step(c, step, world_size, mesh_text, *model, optim, background.get(), metrics);
   }
   if (background) background->finish();
   if (rank == 0) progress.finish();
@@ -420,23 +446,7 @@ TrainingResult run_training(const TrainConfig& c, const std::shared_ptr<fsdp::co
     return {};
   }
   const TrainingResult result = training_result(records, root);
-
-  // Per-rank summary numbers, gathered (collective: every rank takes part).
-  const std::vector<int64_t> peaks =
-      all_gather(*metrics, std::vector<int64_t>{peak_memory_bytes(device)}, kRunSummaryLabel);
-  const CommSeconds comm = root ? exposed_comm_seconds(*root) : CommSeconds{};
-  const std::vector<double> times = all_gather(
-      *metrics, std::vector<double>{comm.all_gather, comm.reduce_scatter, step_seconds_total}, kRunSummaryLabel);
-  if (rank == 0) {
-    print_summary(c, mesh, device, records, result, root.has_value(), times, peaks);
-    std::fflush(stdout);
-    if (!c.json_path.empty()) {
-      const absl::Status written = write_json(c.json_path, world_size, mesh.to_string(), records);
-      if (!written.ok()) throw std::runtime_error(std::string(written.message()));
-      std::printf("  json          %s\n", c.json_path.c_str());
-      std::fflush(stdout);
-    }
-  }
+  report_run(c, mesh, device, records, result, root, *metrics, step_seconds_total);
   return result;
 }
 
