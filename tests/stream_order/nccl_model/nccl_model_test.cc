@@ -25,12 +25,6 @@ stream_check::Options nccl_model() {
   return options;
 }
 
-std::string describe(const std::vector<stream_check::HostSync>& syncs) {
-  std::string text;
-  for (const auto& h : syncs) text += "\n  " + h.what + " (" + h.phase + ")";
-  return text;
-}
-
 // A CPU communicator made by Gloo acts as NCCL while the model lives: its
 // backend kind, and NCCL's wait contract (a wait orders the caller's
 // stream; a wait with a timeout blocks the host, counted as a host sync).
@@ -75,13 +69,7 @@ class HostSyncs : public ::testing::TestWithParam<HostSyncCase> {};
 
 TEST_P(HostSyncs, SteadyTrainingStepsHaveNone) {
   const HostSyncCase c = GetParam();
-  testing::DistributedTestOptions options;
-  options.world_size = c.world_size;
-  if (!c.mesh_shape.empty()) {
-    options.mesh_shape = c.mesh_shape;
-    options.mesh_dim_names = {"replicate", "shard"};
-  }
-  testing::run_distributed(options, [&c](testing::RankContext& ctx) {
+  testing::run_distributed(rank_options(c.world_size, c.mesh_shape), [&c](testing::RankContext& ctx) {
     stream_check::Checker checker(nccl_model());
     FullyShardOptions o;
     if (c.configure) c.configure(o);

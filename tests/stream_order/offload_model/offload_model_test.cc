@@ -26,12 +26,6 @@ struct OffloadModelCase {
   int micro_batches = 1;  // > 1: accumulate without gradient sync, then sync
 };
 
-std::string describe(const std::vector<stream_check::HostSync>& syncs) {
-  std::string text;
-  for (const auto& h : syncs) text += "\n  " + h.what + " (" + h.phase + ")";
-  return text;
-}
-
 // How many of `syncs` are `what`.
 int count(const std::vector<stream_check::HostSync>& syncs, const std::string& what) {
   int n = 0;
@@ -58,13 +52,7 @@ class OffloadModel : public ::testing::TestWithParam<OffloadModelCase> {};
 
 TEST_P(OffloadModel, TrainingMatchesTheUnshardedReference) {
   const OffloadModelCase c = GetParam();
-  testing::DistributedTestOptions options;
-  options.world_size = c.world_size;
-  if (!c.mesh_shape.empty()) {
-    options.mesh_shape = c.mesh_shape;
-    options.mesh_dim_names = {"replicate", "shard"};
-  }
-  testing::run_distributed(options, [&c](testing::RankContext& ctx) {
+  testing::run_distributed(rank_options(c.world_size, c.mesh_shape), [&c](testing::RankContext& ctx) {
     stream_check::Options checking;
     checking.collectives = c.model;
     stream_check::Checker checker(checking);
