@@ -40,8 +40,8 @@ void check_custom_buffer(const at::Tensor& t, c10::IntArrayRef sizes, c10::Scala
               t.defined() ? "a tensor of shape " + c10::str(t.sizes()) + ", " + c10::toString(t.scalar_type()) +
                                 " on " + t.device().str() + (t.is_contiguous() ? "" : ", not contiguous")
                           : std::string("an undefined tensor"),
-              "; expected a contiguous tensor of shape [", numel, "], ", c10::toString(at::TensorOptions(dtype)),
-              " on ", device, ". allocate must return a buffer of exactly the sizes, dtype and device it is given");
+              "; expected a contiguous tensor of shape [", numel, "], ", c10::toString(dtype), " on ", device,
+              ". allocate must return a buffer of exactly the sizes, dtype and device it is given");
 }
 
 // A user collective's allocate, its result checked.

@@ -458,7 +458,8 @@ TEST_P(CustomCollectives, ErrorsNameTheModule) {
       b0.set_custom_all_gather(std::make_shared<BadAllocate>());
       const Batch local = make_batch(ModelKind::kMlp, 0, kRows).slice(ctx.rank(), ctx.world_size());
       EXPECT_THROW_WITH(call_module(*model, local.x, local.y), "module 'b0': the custom all-gather's allocate returned",
-                        "allocate must return a buffer of exactly");
+                        "], Float on cpu; expected a contiguous tensor of shape [",
+                        "], Float on cpu. allocate must return a buffer of exactly");
       root.reset_iter_state();
       b0.set_custom_all_gather(nullptr);
       b1.set_custom_all_gather(std::make_shared<Throwing>());
