@@ -43,43 +43,43 @@ class DryBackend final : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
                                                  const c10d::AllgatherOptions&) override {
-    on_collective_("all_gather_into_tensor", bytes_of(output));
+    on_collective_("all_gather_into_tensor", bytes_of(output), {input}, {output});
     gathered({output});
     return c10::make_intrusive<DryWork>(c10d::OpType::_ALLGATHER_BASE);
   }
   c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                  std::vector<at::Tensor>& inputs,
                                                                  const c10d::AllgatherOptions&) override {
-    on_collective_("all_gather_into_tensor_coalesced", bytes_of(outputs));
+    on_collective_("all_gather_into_tensor_coalesced", bytes_of(outputs), inputs, outputs);
     gathered(outputs);
     return c10::make_intrusive<DryWork>(c10d::OpType::COALESCED);
   }
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                       const c10d::ReduceScatterOptions&) override {
-    on_collective_("reduce_scatter_tensor", bytes_of(input));
+    on_collective_("reduce_scatter_tensor", bytes_of(input), {input}, {output});
     return c10::make_intrusive<DryWork>(c10d::OpType::_REDUCE_SCATTER_BASE, received({input}));
   }
   c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                  std::vector<at::Tensor>& inputs,
                                                                  const c10d::ReduceScatterOptions&) override {
-    on_collective_("reduce_scatter_tensor_coalesced", bytes_of(inputs));
+    on_collective_("reduce_scatter_tensor_coalesced", bytes_of(inputs), inputs, outputs);
     return c10::make_intrusive<DryWork>(c10d::OpType::COALESCED, received(inputs));
   }
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions&) override {
-    on_collective_("all_reduce", bytes_of(tensors));
+    on_collective_("all_reduce", bytes_of(tensors), tensors, tensors);
     return c10::make_intrusive<DryWork>(c10d::OpType::ALLREDUCE);
   }
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions&) override {
-    on_collective_("broadcast", bytes_of(tensors));
+    on_collective_("broadcast", bytes_of(tensors), tensors, tensors);
     return c10::make_intrusive<DryWork>(c10d::OpType::BROADCAST);
   }
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions&) override {
-    on_collective_("barrier", 0);
+    on_collective_("barrier", 0, {}, {});
     return c10::make_intrusive<DryWork>(c10d::OpType::BARRIER);
   }
   c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input, std::vector<int64_t>&,
                                                std::vector<int64_t>&, const c10d::AllToAllOptions&) override {
-    on_collective_("all_to_all", bytes_of(input));
+    on_collective_("all_to_all", bytes_of(input), {input}, {output});
     return c10::make_intrusive<DryWork>(c10d::OpType::ALLTOALL_BASE);
   }
 

@@ -8,12 +8,15 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 namespace fsdp_plan::detail {
 
-using CollectiveCallback = std::function<void(const char* op, int64_t bytes)>;
+// `reads` and `writes` are the tensors the collective reads and writes.
+using CollectiveCallback = std::function<void(const char* op, int64_t bytes, const std::vector<at::Tensor>& reads,
+                                              const std::vector<at::Tensor>& writes)>;
 
 c10::intrusive_ptr<c10d::Backend> make_dry_backend(int rank, int size, bool gloo_buffers,
                                                    CollectiveCallback on_collective);

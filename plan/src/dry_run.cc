@@ -5,7 +5,10 @@
 #include <cstring>
 #include <mutex>
 #include <sstream>
+#include <unordered_map>
+#include <unordered_set>
 
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/arange.h>
 #include <ATen/record_function.h>
 #include <c10/core/Allocator.h>
@@ -100,6 +103,7 @@ struct DryRun::Recorder {
   std::vector<int64_t> step_peaks;
   CachingAllocatorModel cuda;
   std::vector<CollectiveRecord> collectives;
+  std::vector<OpRecord> ops;
   std::vector<torch::Tensor> tracked;  // parameters
   const std::string& current_phase() const {
     static const std::string none;
@@ -107,6 +111,10 @@ struct DryRun::Recorder {
   }
   // Marks the live allocation behind `t` (when it is one of ours).
   void mark(const at::Tensor& t, Holder holder, bool only_unmarked);
+  // The index of the allocation behind `t`, or -1 when it is not one of ours.
+  int64_t allocation_of(const at::Tensor& t) const;
+  // Fills the fields every op record shares and appends it.
+  void add_op(OpRecord op);
   void mark_live_optimizer_state();
 };
 
@@ -133,8 +141,23 @@ void on_free(void* ctx) {
   r->cuda.free(a.block);
 }
 
-// The ATen ops running on this thread, innermost last (for the records).
-thread_local std::vector<const char*> t_ops;
+// The ATen ops (and autograd nodes) running on this thread, innermost last:
+// the allocating op of a record, and whether an op called others (then its
+// callees are the kernels, not it).
+struct Frame {
+  const char* name;
+  bool aten;  // an ATen op, not an autograd node
+  bool has_callees = false;
+  std::unique_ptr<OpRecord> kernel;  // what it reads and costs, if it runs a kernel
+};
+thread_local std::vector<Frame> t_frames;
+
+const char* current_op() {
+  for (auto it = t_frames.rbegin(); it != t_frames.rend(); ++it) {
+    if (it->aten) return it->name;
+  }
+  return nullptr;
+}
 
 // The meta device's allocator: as ATen's (no memory, a null pointer), and
 // while a DryRun lives it records the allocation, whose DataPtr context
@@ -153,7 +176,7 @@ class RecordingMetaAllocator final : public c10::Allocator {
     a.fsdp_phase = r->current_phase();
     a.stream = stream_of(phase_of(a.fsdp_phase));
     a.block = r->cuda.allocate(a.bytes, a.stream);
-    if (!t_ops.empty()) a.op = t_ops.back();
+    if (const char* op = current_op()) a.op = op;
     r->live += a.bytes;
     if (r->live > r->peak) {
       r->peak = r->live;
@@ -176,11 +199,122 @@ class RecordingMetaAllocator final : public c10::Allocator {
 
 RecordingMetaAllocator g_meta_allocator;
 
+// What the schema of an ATen op says about its cost (looked up once per op).
+struct OpInfo {
+  bool free = false;                      // a view, an allocation or metadata: no kernel runs
+  std::vector<bool> writes;               // per argument: written in place (alias annotation with '!')
+  int query = -1, key = -1, causal = -1;  // attention: the arguments named so
+};
+
+// Ops that only allocate or change metadata, or views whose schema does not
+// say so (_unsafe_view).
+bool allocates_only(const std::string& name) {
+  static const std::unordered_set<std::string> names = {"aten::resize_", "aten::set_",          "aten::lift_fresh",
+                                                        "aten::detach_", "aten::record_stream", "aten::_unsafe_view"};
+  return names.count(name) > 0 || name.rfind("aten::empty", 0) == 0 || name.rfind("aten::new_empty", 0) == 0;
+}
+
+const OpInfo& info_of(const at::RecordFunction& fn) {
+  static std::mutex mutex;
+  static std::unordered_map<std::string, OpInfo> cache;
+  const std::string name = fn.name();
+  std::lock_guard<std::mutex> lock(mutex);
+  if (auto it = cache.find(name); it != cache.end()) return it->second;
+  OpInfo info;
+  info.free = allocates_only(name);
+  if (auto op_name = fn.operator_name()) {
+    if (auto handle = c10::Dispatcher::singleton().findSchema(*op_name)) {
+      const c10::FunctionSchema& schema = handle->schema();
+      bool returns_tensors = false, writes = false;
+      for (const c10::Argument& r : schema.returns()) {
+        if (r.alias_info() != nullptr && !r.alias_info()->isWrite()) info.free = true;  // a view
+        const c10::TypePtr& type = r.real_type();
+        if (type->isSubtypeOf(*c10::TensorType::get()) || type->isSubtypeOf(*c10::ListType::ofTensors())) {
+          returns_tensors = true;
+        }
+      }
+      for (size_t i = 0; i < schema.arguments().size(); ++i) {
+        const c10::Argument& a = schema.arguments()[i];
+        info.writes.push_back(a.alias_info() != nullptr && a.alias_info()->isWrite());
+        writes = writes || info.writes.back();
+        if (a.name() == "query") info.query = static_cast<int>(i);
+        if (a.name() == "key") info.key = static_cast<int>(i);
+        if (a.name() == "is_causal") info.causal = static_cast<int>(i);
+      }
+      // Neither a result nor a write: a query (result_type, item).
+      if (!returns_tensors && !writes) info.free = true;
+    }
+  }
+  return cache.emplace(name, std::move(info)).first->second;
+}
+
+int64_t bytes_of(const c10::IValue& v) {
+  if (v.isTensor()) {
+    const at::Tensor& t = v.toTensor();
+    return t.defined() ? static_cast<int64_t>(t.numel()) * t.element_size() : 0;
+  }
+  if (v.isTensorList()) {
+    int64_t total = 0;
+    for (const at::Tensor& t : v.toTensorList().vec()) total += t.defined() ? t.numel() * t.element_size() : 0;
+    return total;
+  }
+  return 0;
+}
+
+template <typename F>
+void for_each_tensor(const c10::IValue& v, F&& f) {
+  if (v.isTensor()) {
+    if (v.toTensor().defined()) f(v.toTensor());
+  } else if (v.isTensorList()) {
+    for (const at::Tensor& t : v.toTensorList().vec()) {
+      if (t.defined()) f(t);
+    }
+  }
+}
+
+// FLOPs of the matmuls and attention (2 per multiply-add): what tensor cores
+// do. Attention's backward is 2.5 times its forward (five matmuls of the
+// forward's two, FlashAttention's recomputation of the scores included).
+void count_flops(const std::string& name, c10::ArrayRef<const c10::IValue> in, const OpInfo& info, OpRecord& op) {
+  const auto size = [&](size_t arg, int64_t dim) { return in[arg].toTensor().size(dim); };
+  if (name == "aten::mm" && in.size() >= 2) {
+    op.flops = 2 * size(0, 0) * size(0, 1) * size(1, 1);
+  } else if ((name == "aten::addmm") && in.size() >= 3) {
+    op.flops = 2 * size(1, 0) * size(1, 1) * size(2, 1);
+  } else if (name == "aten::bmm" && in.size() >= 2) {
+    op.flops = 2 * size(0, 0) * size(0, 1) * size(0, 2) * size(1, 2);
+  } else if (name == "aten::baddbmm" && in.size() >= 3) {
+    op.flops = 2 * size(1, 0) * size(1, 1) * size(1, 2) * size(2, 2);
+  } else if (name.find("scaled_dot_product") != std::string::npos && info.query >= 0 && info.key >= 0) {
+    // query [batch, heads, q_len, head_dim], key [batch, kv_heads, k_len, head_dim]
+    const auto q = static_cast<size_t>(info.query), k = static_cast<size_t>(info.key);
+    const int64_t forward = 4 * size(q, 0) * size(q, 1) * size(q, 2) * size(k, 2) * size(q, 3);
+    const bool causal = info.causal >= 0 && static_cast<size_t>(info.causal) < in.size() &&
+                        in[static_cast<size_t>(info.causal)].isBool() && in[static_cast<size_t>(info.causal)].toBool();
+    const bool backward = name.find("backward") != std::string::npos;
+    op.flops = (backward ? forward * 5 / 2 : forward) / (causal ? 2 : 1);
+    op.attention = true;
+    return;
+  } else {
+    return;
+  }
+  op.matmul = true;
+}
+
+struct OpInfo;
+const OpInfo& info_of(const at::RecordFunction& fn);
+std::unique_ptr<OpRecord> start_kernel(const at::RecordFunction& fn);
+
 // FSDP phase labels reach us as RecordFunction user scopes (phase.h opens
 // one for each phase when any callback is registered).
 std::unique_ptr<at::ObserverContext> on_scope_enter(const at::RecordFunction& fn) {
   if (fn.scope() != at::RecordScope::USER_SCOPE) {
-    t_ops.push_back(fn.name());
+    // A callee that runs no kernel (an allocation, a view) leaves its caller
+    // the kernel: flash attention's meta kernel allocates through at::empty.
+    // (Autograd's own scopes, "detach", are not ATen ops.)
+    const bool aten = fn.scope() == at::RecordScope::FUNCTION && std::strncmp(fn.name(), "aten::", 6) == 0;
+    if (!t_frames.empty() && !(aten && info_of(fn).free)) t_frames.back().has_callees = true;
+    t_frames.push_back(Frame{fn.name(), aten, false, aten ? start_kernel(fn) : nullptr});
     return nullptr;
   }
   if (std::strncmp(fn.name(), "FSDP::", 6) != 0) return nullptr;
@@ -198,9 +332,58 @@ std::unique_ptr<at::ObserverContext> on_scope_enter(const at::RecordFunction& fn
   return nullptr;
 }
 
+// What an op reads and its cost, taken as it starts (its inputs are gone by
+// its end); null for an op that runs no kernel.
+std::unique_ptr<OpRecord> start_kernel(const at::RecordFunction& fn) {
+  const OpInfo& info = info_of(fn);
+  if (info.free) return nullptr;
+  auto op = std::make_unique<OpRecord>();
+  op->name = fn.name();
+  const c10::ArrayRef<const c10::IValue> in = fn.inputs();
+  bool dtype_known = false;
+  for (const c10::IValue& v : in) {
+    op->bytes += bytes_of(v);
+    for_each_tensor(v, [&](const at::Tensor& t) {
+      if (!dtype_known && at::isFloatingType(t.scalar_type())) {
+        op->dtype = t.scalar_type();
+        dtype_known = true;
+      }
+    });
+  }
+  count_flops(op->name, in, info, *op);
+  std::lock_guard<std::mutex> lock(g_mutex);
+  DryRun::Recorder* r = g_recorder;
+  if (r == nullptr) return nullptr;
+  for (size_t i = 0; i < in.size(); ++i) {
+    const bool written = i < info.writes.size() && info.writes[i];
+    for_each_tensor(in[i], [&](const at::Tensor& t) {
+      if (const int64_t a = r->allocation_of(t); a >= 0) (written ? op->writes : op->reads).push_back(a);
+    });
+  }
+  return op;
+}
+
+// A kernel: an ATen op that called no other op and is no view or allocation.
+void finish_kernel(const at::RecordFunction& fn, std::unique_ptr<OpRecord> op) {
+  for (const c10::IValue& v : fn.outputs()) op->bytes += bytes_of(v);
+  std::lock_guard<std::mutex> lock(g_mutex);
+  DryRun::Recorder* r = g_recorder;
+  if (r == nullptr) return;
+  for (const c10::IValue& v : fn.outputs()) {
+    for_each_tensor(v, [&](const at::Tensor& t) {
+      if (const int64_t a = r->allocation_of(t); a >= 0) op->writes.push_back(a);
+    });
+  }
+  op->stream = stream_of(phase_of(r->current_phase()));
+  r->add_op(std::move(*op));
+}
+
 void on_scope_exit(const at::RecordFunction& fn, at::ObserverContext*) {
   if (fn.scope() != at::RecordScope::USER_SCOPE) {
-    if (!t_ops.empty()) t_ops.pop_back();
+    if (t_frames.empty()) return;
+    Frame frame = std::move(t_frames.back());
+    t_frames.pop_back();
+    if (frame.kernel && !frame.has_callees) finish_kernel(fn, std::move(frame.kernel));
     return;
   }
   if (std::strncmp(fn.name(), "FSDP::", 6) != 0) return;
@@ -252,6 +435,19 @@ void DryRun::Recorder::mark(const at::Tensor& t, Holder holder, bool only_unmark
   a.mark = holder;
 }
 
+int64_t DryRun::Recorder::allocation_of(const at::Tensor& t) const {
+  const Cell* cell = cell_of(t);
+  if (cell == nullptr || cell->generation != generation) return -1;
+  return cell->index;
+}
+
+void DryRun::Recorder::add_op(OpRecord op) {
+  op.step = step;
+  op.step_phase = step_phase;
+  op.fsdp_phase = current_phase();
+  ops.push_back(std::move(op));
+}
+
 void DryRun::Recorder::mark_live_optimizer_state() {
   for (Allocation& a : allocations) {
     if (a.freed_at == INT64_MAX && !a.mark && a.step_phase == StepPhase::kOptimizer) a.mark = Holder::kOptimizerState;
@@ -289,7 +485,9 @@ DryRun::DryRun(DryRunOptions options) : options_(std::move(options)) {
   }
   callback_ = at::addGlobalCallback(
       at::RecordFunctionCallback(&on_scope_enter, &on_scope_exit)
-          .scopes({at::RecordScope::USER_SCOPE, at::RecordScope::FUNCTION, at::RecordScope::BACKWARD_FUNCTION}));
+          .scopes({at::RecordScope::USER_SCOPE, at::RecordScope::FUNCTION, at::RecordScope::BACKWARD_FUNCTION})
+          .needsInputs(true)
+          .needsOutputs(true));
 
   // The mesh, built before the meta mode starts: its rank layout is a CPU tensor.
   fsdp::collectives::RendezvousOptions rendezvous;
@@ -308,10 +506,26 @@ DryRun::DryRun(DryRunOptions options) : options_(std::move(options)) {
     const int size = static_cast<int>(global.size());
     auto backend = detail::make_dry_backend(
         group_rank, size, o.engine == fsdp::collectives::BackendKind::kGloo,
-        [r, name, size](const char* op, int64_t bytes) {
+        [r, name, size, members = std::make_shared<const std::vector<int>>(global)](
+            const char* op, int64_t bytes, const std::vector<at::Tensor>& reads,
+            const std::vector<at::Tensor>& writes) {
           std::lock_guard<std::mutex> lock(g_mutex);
           if (g_recorder != r) return;
           r->collectives.push_back(CollectiveRecord{op, name, size, bytes, r->step, r->current_phase()});
+          OpRecord record;
+          record.kind = OpRecord::Kind::kCollective;
+          record.name = op;
+          record.bytes = bytes;
+          record.group = members;
+          record.stream = stream_of(phase_of(r->current_phase()));
+          if (record.stream == 0) record.stream = 5;
+          for (const at::Tensor& t : reads) {
+            if (const int64_t a = r->allocation_of(t); a >= 0) record.reads.push_back(a);
+          }
+          for (const at::Tensor& t : writes) {
+            if (const int64_t a = r->allocation_of(t); a >= 0) record.writes.push_back(a);
+          }
+          r->add_op(std::move(record));
         });
     return std::make_shared<fsdp::collectives::Communicator>(std::move(backend), o.engine, c10::kMeta, group_rank,
                                                              global, fsdp::collectives::CommunicatorOptions{});
@@ -409,6 +623,11 @@ std::vector<AllocationRecord> DryRun::allocations() const {
     out.push_back({a.bytes, a.allocated_at, a.freed_at, a.step, a.step_phase, a.fsdp_phase, a.stream, a.op});
   }
   return out;
+}
+
+std::vector<OpRecord> DryRun::ops() const {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  return recorder_->ops;
 }
 
 std::vector<CollectiveRecord> DryRun::collectives() const {

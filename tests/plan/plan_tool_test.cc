@@ -1,5 +1,6 @@
 // fsdp_plan, the program: its report, its JSON, and its errors on bad flags
 // (each names the flag and exits with status 2).
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -43,6 +44,26 @@ TEST(PlanTool, PrintsTheReportAndItsJson) {
   EXPECT_TRUE(j["collectives_per_step"].contains("reduce_scatter_tensor"));
 }
 
+TEST(PlanTool, PrintsTheSimulatedTimeItsTraceAndTheSettingsCompared) {
+  const std::string trace_path = ::testing::TempDir() + "/fsdp_plan_trace.json";
+  const fsdp::ChildResult run = run_plan(small({"--world-size", "8", "--global-batch", "16", "--device", "h200",
+                                                "--trace", trace_path, "--compare", "--json", "-"}));
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("time of step 2 on h200"));
+  EXPECT_THAT(run.output, HasSubstr("settings compared"));
+  EXPECT_THAT(run.output, HasSubstr("ac full"));
+  EXPECT_THAT(run.output, HasSubstr("reshard after forward no"));
+  const nlohmann::json j = nlohmann::json::parse(run.output.substr(run.output.find("\n{") + 1));
+  EXPECT_EQ(j["time"]["device"], "h200");
+  EXPECT_GT(j["time"]["step_s"].get<double>(), 0);
+  EXPECT_GT(j["time"]["flops"].get<int64_t>(), 0);
+  std::ifstream trace(trace_path);
+  const nlohmann::json t = nlohmann::json::parse(trace);
+  int complete = 0;
+  for (const auto& e : t["traceEvents"]) complete += e["ph"] == "X";
+  EXPECT_GT(complete, 10);
+}
+
 TEST(PlanTool, RejectsBadFlagsNamingThem) {
   struct Case {
     std::vector<std::string> args;
@@ -54,6 +75,7 @@ TEST(PlanTool, RejectsBadFlagsNamingThem) {
       {{"--world-size", "4", "--engine", "mpi"}, "--engine must be nccl or gloo"},
       {{"--world-size", "4", "--global-batch", "8", "--memory-per-gpu", "80XB"}, "--memory-per-gpu '80XB'"},
       {{"--world-size", "4", "--global-batch", "7"}, "global"},
+      {{"--world-size", "4", "--global-batch", "8", "--device", "tpu"}, "--device 'tpu' is not a device profile"},
   };
   for (const Case& c : cases) {
     const fsdp::ChildResult run = run_plan(small(c.args));

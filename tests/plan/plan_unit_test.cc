@@ -3,8 +3,10 @@
 // simulation of large jobs (1,024 ranks, HSDP), the errors, and the tool's
 // batch search.
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <ATen/ops/randn.h>
 #include <gmock/gmock.h>
@@ -73,7 +75,8 @@ struct TwoBlocks : torch::nn::Module {
   LinearBlock b0, b1;
 };
 
-MemoryReport two_blocks_at_world_size_2() {
+// `ops`, when given, receives the run's kernels and collectives.
+MemoryReport two_blocks_at_world_size_2(std::vector<OpRecord>* ops = nullptr) {
   DryRunOptions options;
   options.world_size = 2;
   DryRun dry(options);
@@ -95,6 +98,7 @@ MemoryReport two_blocks_at_world_size_2() {
     dry.begin(StepPhase::kOptimizer);
     optim.step();
   }
+  if (ops != nullptr) *ops = dry.ops();
   return dry.memory();
 }
 
@@ -138,6 +142,42 @@ TEST(PlanDryRun, PredictsThePeakOfTwoLinearBlocksAtWorldSize2ToTheByte) {
   EXPECT_EQ(held(Holder::kActivations), 2048 + 4);   // x and the loss, alive when backward starts
   EXPECT_EQ(held(Holder::kTemporaries), 2048 + 4);   // the gradient into block 0, the loss's gradient
   EXPECT_EQ(r.end_bytes, 16384 + 32768 + 2 * 8192);  // shards, moments, sharded gradients
+}
+
+// The same run's ops, for the time model. Per step, 8 rows through two
+// Linear(64, 64): forward two matmuls of 2 * 8 * 64 * 64 = 65,536 FLOPs;
+// backward, block 1's gradient of its input and of its weight, block 0's of
+// its weight only (the input needs none): three more. Each block's
+// all-gather runs on the all-gather stream, once in forward and once in
+// backward (reshard after forward), and its reduce-scatter on the
+// reduce-scatter stream, reading what a compute-stream kernel wrote.
+TEST(PlanDryRun, RecordsEachMatmulsFlopsAndTheStreamOfEachCollective) {
+  std::vector<OpRecord> ops;
+  two_blocks_at_world_size_2(&ops);
+  int64_t forward_flops = 0, backward_flops = 0;
+  int all_gathers = 0, reduce_scatters = 0;
+  std::map<int64_t, int> writer_stream;  // allocation -> the stream of its last writer
+  bool reduce_scatter_reads_a_gradient = false;
+  for (const OpRecord& op : ops) {
+    if (op.step == 2 && op.matmul) (op.step_phase == StepPhase::kForward ? forward_flops : backward_flops) += op.flops;
+    if (op.step == 2 && op.kind == OpRecord::Kind::kCollective) {
+      if (op.name == "all_gather_into_tensor") {
+        ++all_gathers;
+        EXPECT_EQ(op.stream, 2);
+      }
+      if (op.name == "reduce_scatter_tensor") {
+        ++reduce_scatters;
+        EXPECT_EQ(op.stream, 3);
+        for (int64_t a : op.reads) reduce_scatter_reads_a_gradient |= writer_stream.count(a) && writer_stream[a] == 0;
+      }
+    }
+    for (int64_t a : op.writes) writer_stream[a] = op.stream;
+  }
+  EXPECT_EQ(forward_flops, 2 * 65536);
+  EXPECT_EQ(backward_flops, 3 * 65536);
+  EXPECT_EQ(all_gathers, 4);
+  EXPECT_EQ(reduce_scatters, 2);
+  EXPECT_TRUE(reduce_scatter_reads_a_gradient);
 }
 
 fsdp_train::TrainConfig small_trainer() {

@@ -16,7 +16,11 @@
 #include <cstdlib>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <string>
+#include <thread>
+#include <utility>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -27,6 +31,7 @@
 #include "command_line.h"
 #include "config.h"
 #include "fsdp_plan/dry_run.h"
+#include "fsdp_plan/timeline.h"
 #include "trainer_plan.h"
 
 namespace {
@@ -40,6 +45,13 @@ ABSL_FLAG(std::string, engine, "nccl", "nccl (a CUDA job) or gloo (a CPU job, to
 ABSL_FLAG(std::string, memory_per_gpu, "",
           "Memory of one device, e.g. 80GiB, 96GB, 24576MiB: also search the largest local batch that fits.");
 ABSL_FLAG(std::string, json, "", "Write the report as JSON to this file ('-' for stdout).");
+ABSL_FLAG(std::string, device, "h100",
+          "The device profile of the time model: h100, h100-hbm2e-500w, h200, or cpu (this machine, measured now).");
+ABSL_FLAG(int, gpus_per_node, 8, "Ranks per node (NVLink within, the network across).");
+ABSL_FLAG(std::string, trace, "", "Write the simulated timeline of the last step as a Chrome trace (Perfetto).");
+ABSL_FLAG(bool, compare, false,
+          "Also plan the settings a user weighs (reshard after forward, activation checkpointing, mixed precision) "
+          "and print them side by side.");
 // The trainer's model and sharding flags (fsdp_train --help), same names and defaults.
 ABSL_FLAG(int64_t, global_batch, kDefaults.global_batch,
           "Sequences per step over all ranks (divisible by --world-size).");
@@ -93,6 +105,94 @@ int64_t parse_memory(const std::string& text) {
 
 double mib(int64_t bytes) { return static_cast<double>(bytes) / (1 << 20); }
 
+// The profile --device names; nullopt (after printing why) when unknown.
+std::optional<fsdp_plan::DeviceProfile> profile_from_flags(const fsdp_train::TrainConfig& config, int world_size) {
+  const std::string name = absl::GetFlag(FLAGS_device);
+  std::optional<fsdp_plan::DeviceProfile> profile;
+  if (name == "cpu") {
+    // The ranks of a CPU job share this machine, as fsdp_train --nproc runs them.
+    const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    const int threads = config.threads > 0 ? static_cast<int>(config.threads) : std::max(1, cores / world_size);
+    profile = fsdp_plan::measure_cpu_profile(world_size, threads);
+  } else {
+    profile = fsdp_plan::device_profile(name);
+  }
+  if (!profile) {
+    std::string names;
+    for (const std::string& n : fsdp_plan::device_profile_names()) names += n + ", ";
+    std::fprintf(stderr, "fsdp_plan: --device '%s' is not a device profile; use one of %scpu\n", name.c_str(),
+                 names.c_str());
+    return std::nullopt;
+  }
+  const int per_node = absl::GetFlag(FLAGS_gpus_per_node);
+  if (per_node < 1) {
+    std::fprintf(stderr, "fsdp_plan: --gpus-per-node must be at least 1 (got %d)\n", per_node);
+    return std::nullopt;
+  }
+  if (name != "cpu") profile->gpus_per_node = per_node;
+  return profile;
+}
+
+// The time of the last step of `plan` under `profile`. MFU counts model FLOPs
+// as torchtitan does: 6 per parameter (the embedding's excluded) and 12 *
+// layers * heads * head size * sequence length per token for attention.
+fsdp_plan::StepTime time_of(const fsdp_plan_tool::TrainerPlan& plan, const fsdp_train::TrainConfig& config,
+                            int64_t local_batch, int steps, const fsdp_plan::DeviceProfile& profile) {
+  fsdp_plan::TimelineOptions t;
+  t.device = profile;
+  t.tokens = local_batch * config.seq_len;
+  const double per_token = 6.0 * static_cast<double>(plan.parameters - plan.embedding_parameters) +
+                           12.0 * static_cast<double>(config.layers * config.dim * config.seq_len);
+  t.model_flops = per_token * static_cast<double>(t.tokens);
+  return fsdp_plan::simulate(plan.ops, steps, t);
+}
+
+// The settings a user weighs, each changed alone from `base`: reshard after
+// forward, activation checkpointing, mixed precision.
+std::vector<std::pair<std::string, fsdp_train::TrainConfig>> variants(const fsdp_train::TrainConfig& base) {
+  std::vector<std::pair<std::string, fsdp_train::TrainConfig>> out = {{"as given", base}};
+  const auto add = [&](const std::string& name, fsdp_train::TrainConfig c) {
+    for (const auto& [_, other] : out) {
+      if (other.reshard_after_forward == c.reshard_after_forward && other.ac == c.ac &&
+          other.param_dtype == c.param_dtype && other.reduce_dtype == c.reduce_dtype) {
+        return;
+      }
+    }
+    out.emplace_back(name, c);
+  };
+  fsdp_train::TrainConfig c = base;
+  c.reshard_after_forward = !base.reshard_after_forward;
+  add(std::string("reshard after forward ") + (c.reshard_after_forward ? "yes" : "no"), c);
+  for (const char* ac : {"none", "selective", "full"}) {
+    c = base;
+    c.ac = ac;
+    add(std::string("ac ") + ac, c);
+  }
+  c = base;
+  c.param_dtype = "bf16";
+  c.reduce_dtype = "fp32";
+  add("bf16 params, fp32 reduce", c);
+  c = base;
+  c.param_dtype = "fp32";
+  c.reduce_dtype = "fp32";
+  add("fp32 params and reduce", c);
+  return out;
+}
+
+void print_comparison(const fsdp_train::TrainConfig& base, const fsdp_plan::DryRunOptions& options, int64_t local_batch,
+                      int steps, const fsdp_plan::DeviceProfile& profile) {
+  std::printf("settings compared (rank %d, local batch %lld, %s)\n", options.rank, static_cast<long long>(local_batch),
+              profile.name.c_str());
+  std::printf("  %-28s %12s %12s %10s %12s %12s\n", "setting", "reserved MiB", "step ms", "tokens/s", "exposed ms",
+              "MFU %");
+  for (const auto& [name, c] : variants(base)) {
+    const fsdp_plan_tool::TrainerPlan plan = fsdp_plan_tool::plan_trainer(c, options, local_batch, steps);
+    const fsdp_plan::StepTime time = time_of(plan, c, local_batch, steps, profile);
+    std::printf("  %-28s %12.1f %12.1f %10.0f %12.1f %12.1f\n", name.c_str(), mib(plan.memory.peak_reserved),
+                time.step_s * 1e3, time.tokens_per_s, time.exposed_communication_s * 1e3, 100 * time.mfu);
+  }
+}
+
 }  // namespace
 
 int run(int argc, char** argv) {
@@ -137,8 +237,11 @@ int run(int argc, char** argv) {
     std::fprintf(stderr, "fsdp_plan: --steps must be at least 1 (got %d)\n", steps);
     return 2;
   }
+  const std::optional<fsdp_plan::DeviceProfile> profile = profile_from_flags(config, world_size);
+  if (!profile) return 2;
   const int64_t local_batch = config.global_batch / world_size;
   const fsdp_plan_tool::TrainerPlan plan = fsdp_plan_tool::plan_trainer(config, options, local_batch, steps);
+  const fsdp_plan::StepTime time = time_of(plan, config, local_batch, steps, *profile);
 
   // The collectives of the last step, summed by op.
   std::map<std::string, std::pair<int64_t, int64_t>> per_op;  // count, bytes
@@ -168,6 +271,7 @@ int run(int argc, char** argv) {
   for (const auto& [op, cb] : per_op) {
     std::printf("  %-34s %5lld calls  %10.1f MiB\n", op.c_str(), static_cast<long long>(cb.first), mib(cb.second));
   }
+  std::printf("time of step %d on %s\n%s", steps, profile->name.c_str(), fsdp_plan::format_time(time).c_str());
   if (memory_bytes > 0) {
     std::printf("fits in %.1f GiB per device: ", static_cast<double>(memory_bytes) / (1 << 30));
     if (fitting == 0) {
@@ -176,6 +280,10 @@ int run(int argc, char** argv) {
       std::printf("local batch up to %lld (global %lld), by peak reserved memory\n", static_cast<long long>(fitting),
                   static_cast<long long>(fitting * world_size));
     }
+  }
+  if (absl::GetFlag(FLAGS_compare)) print_comparison(config, options, local_batch, steps, *profile);
+  if (const std::string path = absl::GetFlag(FLAGS_trace); !path.empty()) {
+    std::ofstream(path) << fsdp_plan::chrome_trace(time) << "\n";
   }
   if (const std::string path = absl::GetFlag(FLAGS_json); !path.empty()) {
     nlohmann::ordered_json j;
@@ -190,6 +298,7 @@ int run(int argc, char** argv) {
     nlohmann::ordered_json ops = nlohmann::ordered_json::object();
     for (const auto& [op, cb] : per_op) ops[op] = {{"calls", cb.first}, {"bytes", cb.second}};
     j["collectives_per_step"] = ops;
+    j["time"] = nlohmann::ordered_json::parse(fsdp_plan::time_json(time));
     if (memory_bytes > 0) {
       j["memory_per_gpu_bytes"] = memory_bytes;
       j["largest_local_batch"] = fitting;

@@ -88,6 +88,7 @@ TrainerPlan plan_trainer(const fsdp_train::TrainConfig& c, fsdp_plan::DryRunOpti
     ShardedTrainer t = shard_trainer(c, dry.mesh(), c10::Device(c10::kMeta));
     plan.parameters = t.parameters;
     plan.local_parameters = t.local_parameters;
+    plan.embedding_parameters = t.model->config.vocab * t.model->config.dim;
     dry.track(t.model);
     for (int step = 0; step < steps; ++step) {
       train_step(t, c, local_batch, [&](fsdp_plan::StepPhase p) { dry.begin(p); });
@@ -95,6 +96,7 @@ TrainerPlan plan_trainer(const fsdp_train::TrainConfig& c, fsdp_plan::DryRunOpti
     plan.memory = dry.memory();
   }
   plan.collectives = dry.collectives();
+  plan.ops = dry.ops();
   return plan;
 }
 

@@ -54,8 +54,10 @@ void train_step(ShardedTrainer& trainer, const fsdp_train::TrainConfig& config, 
 struct TrainerPlan {
   fsdp_plan::MemoryReport memory;
   std::vector<fsdp_plan::CollectiveRecord> collectives;
+  std::vector<fsdp_plan::OpRecord> ops;  // every kernel and collective, for the time model
   int64_t parameters = 0;
   int64_t local_parameters = 0;
+  int64_t embedding_parameters = 0;  // the token embedding's (not counted in MFU's 6N)
 };
 TrainerPlan plan_trainer(const fsdp_train::TrainConfig& config, fsdp_plan::DryRunOptions options, int64_t local_batch,
                          int steps);

@@ -33,7 +33,8 @@
 // it again), with its size, the step, the step phase and the innermost FSDP
 // phase label current when it was made ("FSDP::all_gather_copy_in
 // (layers.3)", phase.h), and the CUDA stream FSDP2 makes it on; and every
-// collective with its size, group and phase.
+// collective with its size, group and phase; and every kernel (ATen op
+// that does work) with its FLOPs, bytes and the storages it reads and writes.
 //
 // Fidelity. The runtime's own code runs, so its buffer lifetimes are what
 // the dry run sees: change one and the predicted peak changes. Two
@@ -57,6 +58,7 @@
 #include <string>
 #include <vector>
 
+#include <c10/core/ScalarType.h>
 #include <torch/nn/module.h>
 
 #include "collectives/communicator.h"
@@ -93,6 +95,37 @@ struct CollectiveRecord {
   int64_t bytes = 0;  // the larger side: all-gather output, reduce-scatter input, all-reduce tensor
   int64_t step = 0;
   std::string phase;  // the FSDP phase label current when it was issued
+};
+
+// One operation the simulated rank issued, in issue order: a kernel (an ATen
+// op that does work on the device: not a view, not an allocation, and none
+// of the ATen ops it called ran) or a collective. The time model
+// (timeline.h) replays them.
+struct OpRecord {
+  enum class Kind { kKernel, kCollective };
+  Kind kind = Kind::kKernel;
+  std::string name;  // "aten::mm", "all_gather_into_tensor", ...
+  // Kernels: floating-point operations of its matmuls and attention (a
+  // multiply-add counts 2; causal attention half); 0 for every other op,
+  // whose time is its memory traffic.
+  int64_t flops = 0;
+  // Kernels: bytes read and written (every tensor argument and result).
+  // Collectives: the larger side (all-gather output, reduce-scatter input).
+  int64_t bytes = 0;
+  bool matmul = false;                  // a matmul (tensor cores)
+  bool attention = false;               // scaled dot-product attention, forward or backward
+  c10::ScalarType dtype = c10::kFloat;  // of its first floating-point tensor argument
+  // The stream it runs on, as AllocationRecord::stream; a collective issued
+  // outside FSDP's communication phases (gradient clipping's all-reduce) runs
+  // on stream 5, NCCL's own stream for the compute stream's collectives.
+  int stream = 0;
+  std::shared_ptr<const std::vector<int>> group;  // collectives: the group's global ranks
+  int64_t step = 0;
+  StepPhase step_phase = StepPhase::kSetup;
+  std::string fsdp_phase;
+  // The storages it reads and writes, as indices into allocations(): the
+  // data dependencies between streams that FSDP's events enforce.
+  std::vector<int64_t> reads, writes;
 };
 
 // One storage the simulated rank allocated.
@@ -177,6 +210,8 @@ class DryRun {
   std::vector<CollectiveRecord> collectives() const;
   // Every allocation so far, in order.
   std::vector<AllocationRecord> allocations() const;
+  // Every kernel and collective so far, in issue order.
+  std::vector<OpRecord> ops() const;
 
   struct Recorder;  // internal (dry_run.cc)
 

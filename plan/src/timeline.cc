@@ -1,0 +1,471 @@
+#include "fsdp_plan/timeline.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <set>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/add.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/randn.h>
+#include <ATen/ops/scaled_dot_product_attention.h>
+#include <c10/util/Exception.h>
+#include <nlohmann/json.hpp>
+
+namespace fsdp_plan {
+namespace {
+
+// Streams (OpRecord::stream); kStreamCount rows in the trace besides the host.
+constexpr int kStreamCount = 6;
+constexpr int kCollectiveStream = 5;
+
+// [Note: the shipped device profiles] Every figure is a public one or an
+// estimate from public ones, and none was fitted to the published runs the
+// planner is checked against (docs/planning.md lists them with the results):
+//   - peaks: NVIDIA's H100 and H200 datasheets (SXM5: 989.4 TFLOP/s dense
+//     bf16, 66.9 TFLOP/s fp32; HBM3 3.35 TB/s, H200's HBM3e 4.8 TB/s);
+//   - matmul efficiency 0.7: large bf16 GEMMs under cuBLAS on H100 SXM run
+//     at roughly 650-750 TFLOP/s; the low end of that range, as training
+//     shapes are not all large (estimate);
+//   - attention efficiency 0.35: FlashAttention-2 (PyTorch's flash SDPA
+//     backend) reaches about 35% of an H100's peak (the FlashAttention-3
+//     paper, Shah et al. 2024, abstract);
+//   - memory efficiency 0.8: what copy and elementwise kernels reach of HBM's
+//     peak (estimate; STREAM-like kernels on GPUs reach 80-90%);
+//   - links: NVLink 4 moves 450 GB/s per direction per GPU; nccl-tests'
+//     bus bandwidth for large all-gathers on 8 H100 SXM is about 80% of it
+//     (360 GB/s); across nodes 400 Gb/s (50 GB/s) per GPU at the same 80%;
+//     latencies of NCCL's ring: about 15 us per collective, 1 us per NVLink
+//     hop and 5 us per network hop (estimates);
+//   - the host: 6 us to dispatch and launch one ATen op from C++ (estimate:
+//     LibTorch's dispatcher plus cudaLaunchKernel), 2 us of device overhead
+//     per kernel;
+//   - the 500 W cap of torchtitan's H100s: 0.85 of the 700 W board's
+//     sustained tensor-core rate (estimate: the clock such a cap sustains
+//     under dense GEMM load); their 96 GB of HBM2e: six stacks of 16 GB at
+//     3.2 Gb/s per pin, 2.46 TB/s.
+DeviceProfile h100_sxm() {
+  DeviceProfile p;
+  p.name = "h100";
+  p.peak_flops_bf16 = 989.4e12;
+  p.peak_flops_fp32 = 66.9e12;
+  p.matmul_efficiency = 0.7;
+  p.attention_efficiency = 0.35;
+  p.memory_bandwidth = 3.35e12;
+  p.memory_efficiency = 0.8;
+  p.kernel_overhead_s = 2e-6;
+  p.host_launch_s = 6e-6;
+  p.gpus_per_node = 8;
+  p.intra_node_bandwidth = 360e9;
+  p.inter_node_bandwidth = 40e9;
+  p.collective_latency_s = 15e-6;
+  p.intra_node_hop_s = 1e-6;
+  p.inter_node_hop_s = 5e-6;
+  p.sources =
+      "H100 SXM5 80 GB datasheet peaks; efficiencies and link figures as in timeline.cc, [Note: the shipped device "
+      "profiles]";
+  return p;
+}
+
+DeviceProfile h100_hbm2e_500w() {
+  DeviceProfile p = h100_sxm();
+  p.name = "h100-hbm2e-500w";
+  p.peak_flops_bf16 *= 0.85;
+  p.peak_flops_fp32 *= 0.85;
+  p.memory_bandwidth = 2.46e12;
+  p.sources = "H100 SXM datasheet peaks at 0.85 for the 500 W cap, six HBM2e stacks; " + p.sources.substr(25);
+  return p;
+}
+
+DeviceProfile h200_sxm() {
+  DeviceProfile p = h100_sxm();
+  p.name = "h200";
+  p.memory_bandwidth = 4.8e12;
+  p.sources = "H200 SXM 141 GB datasheet (H100's compute, HBM3e 4.8 TB/s); " + p.sources.substr(25);
+  return p;
+}
+
+void check_profile(const DeviceProfile& p) {
+  const auto positive = [&](double v, const char* field) {
+    TORCH_CHECK(v > 0 && std::isfinite(v), "fsdp_plan: device profile '", p.name, "' has ", field, " = ", v,
+                "; it must be positive");
+  };
+  positive(p.peak_flops_bf16, "peak_flops_bf16");
+  positive(p.peak_flops_fp32, "peak_flops_fp32");
+  positive(p.matmul_efficiency, "matmul_efficiency");
+  positive(p.attention_efficiency, "attention_efficiency");
+  positive(p.memory_bandwidth, "memory_bandwidth");
+  positive(p.memory_efficiency, "memory_efficiency");
+  positive(p.intra_node_bandwidth, "intra_node_bandwidth");
+  positive(p.inter_node_bandwidth, "inter_node_bandwidth");
+  TORCH_CHECK(p.gpus_per_node >= 1, "fsdp_plan: device profile '", p.name, "' has gpus_per_node = ", p.gpus_per_node,
+              "; it must be at least 1");
+}
+
+double kernel_seconds(const OpRecord& op, const DeviceProfile& p) {
+  const bool low_precision = op.dtype == c10::kBFloat16 || op.dtype == c10::kHalf;
+  const double peak = low_precision ? p.peak_flops_bf16 : p.peak_flops_fp32;
+  double compute = 0;
+  if (op.attention) {
+    compute = static_cast<double>(op.flops) / (peak * p.attention_efficiency);
+  } else if (op.matmul) {
+    compute = static_cast<double>(op.flops) / (peak * p.matmul_efficiency);
+  }
+  const double memory = static_cast<double>(op.bytes) / (p.memory_bandwidth * p.memory_efficiency);
+  return std::max(compute, memory) + p.kernel_overhead_s;
+}
+
+// A ring over the group: n - 1 hops, each moving 1/n of the data, at the bus
+// bandwidth of the slowest link the ring crosses.
+double collective_seconds(const OpRecord& op, const DeviceProfile& p) {
+  const int64_t n = op.group ? static_cast<int64_t>(op.group->size()) : 1;
+  if (n <= 1 || op.bytes == 0) return p.collective_latency_s;
+  std::set<int> nodes;
+  for (int rank : *op.group) nodes.insert(rank / p.gpus_per_node);
+  const bool crosses = nodes.size() > 1;
+  const double bandwidth = crosses ? p.inter_node_bandwidth : p.intra_node_bandwidth;
+  const double hop = crosses ? p.inter_node_hop_s : p.intra_node_hop_s;
+  const double steps = static_cast<double>(n - 1);
+  const double share = steps / static_cast<double>(n) * static_cast<double>(op.bytes) / bandwidth;
+  const bool all_reduce = op.name.rfind("all_reduce", 0) == 0;
+  return p.collective_latency_s + (all_reduce ? 2 : 1) * (steps * hop + share);
+}
+
+using Interval = std::pair<double, double>;
+
+// The length of the union of `spans` within [from, to].
+double covered(std::vector<Interval> spans, double from, double to) {
+  std::sort(spans.begin(), spans.end());
+  double total = 0, end = from;
+  for (auto [s, e] : spans) {
+    s = std::max(s, end);
+    e = std::min(e, to);
+    if (e > s) {
+      total += e - s;
+      end = e;
+    }
+  }
+  return total;
+}
+
+// The length of `a`'s union within [from, to] not covered by `b`'s union.
+double covered_only_by(const std::vector<Interval>& a, const std::vector<Interval>& b, double from, double to) {
+  std::vector<Interval> both = a;
+  both.insert(both.end(), b.begin(), b.end());
+  return covered(both, from, to) - covered(b, from, to);
+}
+
+// The phases of a step partition its time at the compute stream: forward
+// until the first backward op starts computing, backward until the first
+// optimizer op does (communication issued ahead of its phase, a prefetch,
+// counts in the phase whose compute it overlaps).
+void fill_phases(const std::vector<TimedOp>& ops, double from, double to, std::vector<PhaseTime>& rows) {
+  double backward = to, optimizer = to;
+  for (const TimedOp& op : ops) {
+    if (op.collective || op.stream != 0) continue;
+    if (op.step_phase == StepPhase::kBackward) backward = std::min(backward, op.start_s);
+    if (op.step_phase == StepPhase::kOptimizer) optimizer = std::min(optimizer, op.start_s);
+  }
+  backward = std::min(backward, optimizer);
+  std::vector<Interval> compute, communication;
+  for (const TimedOp& op : ops) (op.collective ? communication : compute).emplace_back(op.start_s, op.end_s);
+  const std::pair<double, double> windows[] = {{from, backward}, {backward, optimizer}, {optimizer, to}};
+  const StepPhase phases[] = {StepPhase::kForward, StepPhase::kBackward, StepPhase::kOptimizer};
+  for (size_t i = 0; i < 3; ++i) {
+    PhaseTime row;
+    row.phase = phases[i];
+    const auto [a, b] = windows[i];
+    row.wall_s = b - a;
+    row.compute_s = covered(compute, a, b);
+    row.communication_s = covered(communication, a, b);
+    row.exposed_s = covered_only_by(communication, compute, a, b);
+    rows.push_back(row);
+  }
+}
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// The median time of `f` over `reps` runs after one warm-up.
+template <typename F>
+double median_seconds(int reps, F&& f) {
+  f();
+  std::vector<double> times;
+  for (int i = 0; i < reps; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    f();
+    times.push_back(seconds_since(start));
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+}  // namespace
+
+std::optional<DeviceProfile> device_profile(const std::string& name) {
+  if (name == "h100") return h100_sxm();
+  if (name == "h100-hbm2e-500w") return h100_hbm2e_500w();
+  if (name == "h200") return h200_sxm();
+  return std::nullopt;
+}
+
+std::vector<std::string> device_profile_names() { return {"h100", "h100-hbm2e-500w", "h200"}; }
+
+DeviceProfile measure_cpu_profile(int ranks, int threads) {
+  TORCH_CHECK(ranks >= 1 && threads >= 1, "fsdp_plan: measure_cpu_profile needs ranks >= 1 and threads >= 1 (got ",
+              ranks, " and ", threads, ")");
+  const int previous_threads = at::get_num_threads();
+  at::set_num_threads(threads);
+  DeviceProfile p;
+  p.name = "cpu";
+  p.host_computes = true;
+  // A float32 matmul of the trainer's sizes, a causal attention, a copy much
+  // larger than the caches, and an op on one element (the fixed cost).
+  const at::Tensor a = at::randn({256, 256}), b = at::randn({256, 256});
+  const double mm_s = median_seconds(9, [&] { (void)at::mm(a, b); });
+  const double matmul_rate = 2.0 * 256 * 256 * 256 / mm_s;
+  const at::Tensor q = at::randn({1, 4, 256, 32});
+  const double attention_s =
+      median_seconds(9, [&] { (void)at::scaled_dot_product_attention(q, q, q, {}, 0.0, /*is_causal=*/true); });
+  const double attention_rate = 4.0 * 4 * 256 * 256 * 32 / 2 / attention_s;
+  const at::Tensor big = at::ones({8 << 20});
+  at::Tensor copy = at::empty({8 << 20});
+  const double copy_s = median_seconds(5, [&] { copy.copy_(big); });
+  const at::Tensor one = at::ones({1});
+  const double op_s = median_seconds(201, [&] { (void)at::add(one, one); });
+  at::set_num_threads(previous_threads);
+
+  const double cores = std::max(1u, std::thread::hardware_concurrency());
+  const double oversubscribed = std::max(1.0, static_cast<double>(ranks) * threads / cores);
+  p.peak_flops_fp32 = matmul_rate / oversubscribed;
+  p.peak_flops_bf16 = p.peak_flops_fp32;  // bf16 on a CPU: measured as fp32 (an estimate)
+  p.matmul_efficiency = 1;
+  p.attention_efficiency = attention_rate / matmul_rate;
+  p.memory_bandwidth = 2.0 * static_cast<double>(big.nbytes()) / copy_s / oversubscribed;
+  p.memory_efficiency = 1;
+  p.kernel_overhead_s = op_s * oversubscribed;
+  p.host_launch_s = 0;
+  // Gloo over loopback, as docs/benchmarks.md measured it on this project's
+  // 2-core machine (fsdp_overhead_bench: about 300 us per collective of
+  // nothing at two ranks); its bandwidth is an estimate (loopback TCP with
+  // Gloo's copies, about 2 GB/s).
+  p.gpus_per_node = 1 << 20;
+  p.intra_node_bandwidth = 2e9;
+  p.inter_node_bandwidth = 2e9;
+  p.collective_latency_s = 300e-6;
+  p.intra_node_hop_s = 0;
+  p.inter_node_hop_s = 0;
+  char sources[256];
+  std::snprintf(sources, sizeof(sources),
+                "measured now: %.1f GFLOP/s (256^3 mm), %.1f GB/s (copy), %.1f us per op, with %d threads for %d "
+                "ranks on %.0f cores; Gloo figures from docs/benchmarks.md",
+                p.peak_flops_fp32 / 1e9, p.memory_bandwidth / 1e9, p.kernel_overhead_s * 1e6, threads, ranks, cores);
+  p.sources = sources;
+  return p;
+}
+
+std::string stream_name(int stream) {
+  switch (stream) {
+    case 0: return "compute";
+    case 1: return "all-gather copy-in";
+    case 2: return "all-gather";
+    case 3: return "reduce-scatter";
+    case 4: return "all-reduce";
+    case kCollectiveStream: return "collectives of the compute stream";
+  }
+  return "stream " + std::to_string(stream);
+}
+
+StepTime simulate(const std::vector<OpRecord>& ops, int64_t step, const TimelineOptions& options) {
+  const DeviceProfile& p = options.device;
+  check_profile(p);
+  std::set<int64_t> steps;
+  for (const OpRecord& op : ops) steps.insert(op.step);
+  TORCH_CHECK(steps.count(step) > 0, "fsdp_plan: simulate: no op of step ", step,
+              " was recorded (steps present: ", c10::Join(", ", std::vector<int64_t>(steps.begin(), steps.end())),
+              "); run that many steps in the dry run");
+
+  StepTime out;
+  out.device = p.name;
+  out.step = step;
+  std::vector<double> stream_free(kStreamCount, 0.0);
+  std::unordered_map<int64_t, double> written_at, accessed_at;  // by allocation: when its last writer / accessor ends
+  double host = 0;
+  // [Note: FSDP's event edges in the simulation] Beyond data, two of the
+  // runtime's events order streams (fsdp_param_group.cc): after each
+  // copy-out the all-gather copy-in and all-gather streams wait for it, so
+  // an all-gather runs at most one group ahead of the compute; and before a
+  // group's reduce-scatter copy-in the compute stream waits for the
+  // previous group's reduce-scatter (FSDP2's one reduce-scatter input in
+  // flight). Both are kept here as the end of the last such op issued.
+  double copy_out_end = 0, reduce_scatter_end = 0;
+  out.ops.reserve(ops.size());
+  for (const OpRecord& op : ops) {
+    const bool collective = op.kind == OpRecord::Kind::kCollective;
+    // On a CPU the kernels run on the host thread and the engine runs every
+    // collective in turn on its worker.
+    int stream = std::clamp(op.stream, 0, kStreamCount - 1);
+    if (p.host_computes) stream = collective ? 2 : 0;
+    double ready = 0;
+    for (int64_t a : op.reads) {
+      if (auto it = written_at.find(a); it != written_at.end()) ready = std::max(ready, it->second);
+    }
+    for (int64_t a : op.writes) {
+      if (auto it = accessed_at.find(a); it != accessed_at.end()) ready = std::max(ready, it->second);
+    }
+    if (!p.host_computes) {
+      if (stream == 1 || stream == 2) ready = std::max(ready, copy_out_end);
+      if (op.fsdp_phase.rfind("FSDP::reduce_scatter_copy_in", 0) == 0) ready = std::max(ready, reduce_scatter_end);
+    }
+    TimedOp t;
+    t.name = op.name;
+    t.fsdp_phase = op.fsdp_phase;
+    t.step = op.step;
+    t.step_phase = op.step_phase;
+    t.stream = stream;
+    t.collective = collective;
+    t.flops = op.flops;
+    t.bytes = op.bytes;
+    t.issue_s = host;
+    const double cost = collective ? collective_seconds(op, p) : kernel_seconds(op, p);
+    if (p.host_computes && !collective) {
+      t.start_s = std::max(host, ready);
+      t.end_s = t.start_s + cost;
+      host = t.end_s;
+    } else {
+      host += p.host_launch_s;
+      t.start_s = std::max({host, ready, stream_free[static_cast<size_t>(stream)]});
+      t.end_s = t.start_s + cost;
+      stream_free[static_cast<size_t>(stream)] = t.end_s;
+    }
+    if (op.fsdp_phase.rfind("FSDP::all_gather_copy_out", 0) == 0) copy_out_end = std::max(copy_out_end, t.end_s);
+    if (collective && stream == 3) reduce_scatter_end = t.end_s;
+    for (int64_t a : op.reads) accessed_at[a] = std::max(accessed_at[a], t.end_s);
+    for (int64_t a : op.writes) {
+      written_at[a] = t.end_s;
+      accessed_at[a] = std::max(accessed_at[a], t.end_s);
+    }
+    out.ops.push_back(std::move(t));
+  }
+
+  double from = 0, to = 0;
+  std::vector<Interval> compute, communication;
+  std::vector<TimedOp> of_step;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const TimedOp& t = out.ops[i];
+    if (ops[i].step < step) from = std::max(from, t.end_s);
+    if (ops[i].step != step) continue;
+    to = std::max(to, t.end_s);
+    (t.collective ? communication : compute).emplace_back(t.start_s, t.end_s);
+    out.flops += t.flops;
+    of_step.push_back(t);
+  }
+  out.step_s = to - from;
+  out.compute_s = covered(compute, from, to);
+  out.communication_s = covered(communication, from, to);
+  out.exposed_communication_s = covered_only_by(communication, compute, from, to);
+  out.host_s = p.host_computes ? out.compute_s : p.host_launch_s * static_cast<double>(of_step.size());
+  out.tokens = options.tokens;
+  if (out.step_s > 0) {
+    out.tokens_per_s = static_cast<double>(options.tokens) / out.step_s;
+    out.mfu = options.model_flops / (out.step_s * p.peak_flops_bf16);
+  }
+  fill_phases(of_step, from, to, out.phases);
+  return out;
+}
+
+std::string format_time(const StepTime& t) {
+  std::string out;
+  char line[256];
+  std::snprintf(line, sizeof(line), "  step time       %.1f ms (step %lld, simulated on %s)\n", t.step_s * 1e3,
+                static_cast<long long>(t.step), t.device.c_str());
+  out += line;
+  if (t.tokens > 0) {
+    std::snprintf(line, sizeof(line), "  throughput      %.0f tokens/s per rank (%lld tokens per step)\n",
+                  t.tokens_per_s, static_cast<long long>(t.tokens));
+    out += line;
+  }
+  if (t.mfu > 0) {
+    std::snprintf(line, sizeof(line), "  MFU             %.1f%% (model FLOPs over the bf16 peak)\n", 100 * t.mfu);
+    out += line;
+  }
+  std::snprintf(line, sizeof(line), "  compute         %.1f ms busy, %.2f TFLOP executed\n", t.compute_s * 1e3,
+                static_cast<double>(t.flops) / 1e12);
+  out += line;
+  std::snprintf(line, sizeof(line), "  communication   %.1f ms busy, %.1f ms exposed (%.1f%% of the step)\n",
+                t.communication_s * 1e3, t.exposed_communication_s * 1e3,
+                t.step_s > 0 ? 100 * t.exposed_communication_s / t.step_s : 0.0);
+  out += line;
+  out += "  phase           wall ms   compute ms   comm ms   exposed ms\n";
+  for (const PhaseTime& r : t.phases) {
+    std::snprintf(line, sizeof(line), "    %-12s %9.1f %12.1f %9.1f %12.1f\n", to_string(r.phase).c_str(),
+                  r.wall_s * 1e3, r.compute_s * 1e3, r.communication_s * 1e3, r.exposed_s * 1e3);
+    out += line;
+  }
+  return out;
+}
+
+std::string time_json(const StepTime& t) {
+  nlohmann::ordered_json j;
+  j["device"] = t.device;
+  j["step"] = t.step;
+  j["step_s"] = t.step_s;
+  j["tokens_per_step"] = t.tokens;
+  j["tokens_per_s"] = t.tokens_per_s;
+  j["mfu"] = t.mfu;
+  j["compute_s"] = t.compute_s;
+  j["communication_s"] = t.communication_s;
+  j["exposed_communication_s"] = t.exposed_communication_s;
+  j["flops"] = t.flops;
+  nlohmann::ordered_json phases = nlohmann::ordered_json::array();
+  for (const PhaseTime& r : t.phases) {
+    phases.push_back({{"phase", to_string(r.phase)},
+                      {"wall_s", r.wall_s},
+                      {"compute_s", r.compute_s},
+                      {"communication_s", r.communication_s},
+                      {"exposed_s", r.exposed_s}});
+  }
+  j["phases"] = phases;
+  return j.dump(2);
+}
+
+std::string chrome_trace(const StepTime& t) {
+  nlohmann::json events = nlohmann::json::array();
+  const auto row_name = [](int tid, const std::string& name) {
+    return nlohmann::json{{"name", "thread_name"}, {"ph", "M"}, {"pid", 1}, {"tid", tid}, {"args", {{"name", name}}}};
+  };
+  events.push_back(
+      {{"name", "process_name"}, {"ph", "M"}, {"pid", 1}, {"args", {{"name", "simulated rank (" + t.device + ")"}}}});
+  for (int s = 0; s < kStreamCount; ++s) events.push_back(row_name(s + 1, stream_name(s)));
+  double origin = INFINITY;
+  for (const TimedOp& op : t.ops) {
+    if (op.step == t.step) origin = std::min(origin, op.issue_s);
+  }
+  for (const TimedOp& op : t.ops) {
+    if (op.step != t.step) continue;
+    const std::string name = op.name.rfind("aten::", 0) == 0 ? op.name.substr(6) : op.name;
+    events.push_back({{"name", name},
+                      {"cat", op.collective ? "communication" : "compute"},
+                      {"ph", "X"},
+                      {"pid", 1},
+                      {"tid", op.stream + 1},
+                      {"ts", (op.start_s - origin) * 1e6},
+                      {"dur", (op.end_s - op.start_s) * 1e6},
+                      {"args",
+                       {{"fsdp_phase", op.fsdp_phase},
+                        {"step_phase", to_string(op.step_phase)},
+                        {"flops", op.flops},
+                        {"bytes", op.bytes}}}});
+  }
+  return nlohmann::json{{"traceEvents", events}, {"displayTimeUnit", "ms"}}.dump();
+}
+
+}  // namespace fsdp_plan

@@ -1,0 +1,198 @@
+// The time model's simulation (fsdp_plan/timeline.h) on op sequences small
+// enough to add up by hand: overlap and exposure, FSDP's two event edges,
+// the report's figures, the Chrome trace, and the profiles' errors.
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "fsdp_plan/timeline.h"
+
+namespace fsdp_plan::test {
+namespace {
+
+using ::testing::HasSubstr;
+
+// Round figures: 1 TFLOP/s, 1 GB/s of memory and of link, nothing else
+// costs anything.
+DeviceProfile round_profile() {
+  DeviceProfile p;
+  p.name = "round";
+  p.peak_flops_bf16 = 1e12;
+  p.peak_flops_fp32 = 1e12;
+  p.memory_bandwidth = 1e9;
+  p.intra_node_bandwidth = 1e9;
+  p.inter_node_bandwidth = 1e9;
+  return p;
+}
+
+OpRecord kernel(StepPhase phase, int64_t flops, int64_t bytes, std::vector<int64_t> reads, std::vector<int64_t> writes,
+                std::string fsdp_phase = "") {
+  OpRecord op;
+  op.name = "aten::mm";
+  op.flops = flops;
+  op.matmul = flops > 0;
+  op.bytes = bytes;
+  op.dtype = c10::kBFloat16;
+  op.step = 1;
+  op.step_phase = phase;
+  op.reads = std::move(reads);
+  op.writes = std::move(writes);
+  op.fsdp_phase = std::move(fsdp_phase);
+  return op;
+}
+
+OpRecord collective(const char* name, int stream, StepPhase phase, int64_t bytes, std::vector<int64_t> reads,
+                    std::vector<int64_t> writes) {
+  OpRecord op;
+  op.kind = OpRecord::Kind::kCollective;
+  op.name = name;
+  op.stream = stream;
+  op.bytes = bytes;
+  op.group = std::make_shared<const std::vector<int>>(std::vector<int>{0, 1});
+  op.step = 1;
+  op.step_phase = phase;
+  op.reads = std::move(reads);
+  op.writes = std::move(writes);
+  return op;
+}
+
+// In ms, from the issue order and the data edges:
+//   k0  compute, forward: 2 GFLOP                       [0, 2]
+//   c1  all-gather of 2 MB over 2 ranks (1 MB moved)    [0, 1]   overlaps k0
+//   k2  compute, backward: 1 GFLOP, reads c1's output   [2, 3]
+//   c3  reduce-scatter of 4 MB, reads k2's output       [3, 5]   exposed
+//   k4  optimizer: 1 MB of memory, reads c3's output    [5, 6]
+std::vector<OpRecord> five_ops() {
+  return {kernel(StepPhase::kForward, 2'000'000'000, 0, {}, {0}),
+          collective("all_gather_into_tensor", 2, StepPhase::kForward, 2'000'000, {}, {1}),
+          kernel(StepPhase::kBackward, 1'000'000'000, 0, {1}, {2}),
+          collective("reduce_scatter_tensor", 3, StepPhase::kBackward, 4'000'000, {2}, {3}),
+          kernel(StepPhase::kOptimizer, 0, 1'000'000, {3}, {4})};
+}
+
+TEST(PlanTime, SimulatesOverlapAndExposureByHand) {
+  TimelineOptions options;
+  options.device = round_profile();
+  options.tokens = 1000;
+  options.model_flops = 3e9;
+  const StepTime t = simulate(five_ops(), 1, options);
+  EXPECT_NEAR(t.step_s, 6e-3, 1e-12);
+  EXPECT_NEAR(t.compute_s, 4e-3, 1e-12);
+  EXPECT_NEAR(t.communication_s, 3e-3, 1e-12);
+  EXPECT_NEAR(t.exposed_communication_s, 2e-3, 1e-12);  // the reduce-scatter; the all-gather hides under k0
+  EXPECT_NEAR(t.tokens_per_s, 1000 / 6e-3, 1e-6);
+  EXPECT_NEAR(t.mfu, 0.5, 1e-12);
+  EXPECT_EQ(t.flops, 3'000'000'000);
+  ASSERT_EQ(t.ops.size(), 5u);
+  EXPECT_NEAR(t.ops[1].start_s, 0, 1e-12);
+  EXPECT_NEAR(t.ops[2].start_s, 2e-3, 1e-12);
+  EXPECT_NEAR(t.ops[4].start_s, 5e-3, 1e-12);
+  ASSERT_EQ(t.phases.size(), 3u);
+  EXPECT_NEAR(t.phases[0].wall_s, 2e-3, 1e-12);  // forward until k2 computes
+  EXPECT_NEAR(t.phases[0].exposed_s, 0, 1e-12);
+  EXPECT_NEAR(t.phases[1].wall_s, 3e-3, 1e-12);
+  EXPECT_NEAR(t.phases[1].communication_s, 2e-3, 1e-12);
+  EXPECT_NEAR(t.phases[1].exposed_s, 2e-3, 1e-12);
+  EXPECT_NEAR(t.phases[2].compute_s, 1e-3, 1e-12);
+  EXPECT_THAT(format_time(t), HasSubstr("6.0 ms"));
+}
+
+TEST(PlanTime, AStepStartsWhereThePreviousLeftTheStreams) {
+  std::vector<OpRecord> ops = five_ops();
+  for (OpRecord op : five_ops()) {
+    op.step = 2;
+    for (int64_t& a : op.reads) a += 10;
+    for (int64_t& a : op.writes) a += 10;
+    ops.push_back(op);
+  }
+  TimelineOptions options;
+  options.device = round_profile();
+  const StepTime t = simulate(ops, 2, options);
+  // Step 2's all-gather starts at 1 ms (after step 1's, on its stream) and
+  // hides under step 1's tail, so step 2 is its compute and its exposed
+  // reduce-scatter: 6 ms from the end of step 1.
+  EXPECT_NEAR(t.step_s, 6e-3, 1e-12);
+  EXPECT_NEAR(t.ops[6].start_s, 1e-3, 1e-12);
+  EXPECT_NEAR(t.ops[5].start_s, 6e-3, 1e-12);
+}
+
+// The two event edges beyond data ([Note: FSDP's event edges in the
+// simulation]): without them the all-gather would start at 0 and the
+// reduce-scatter copy-in at 3 ms.
+TEST(PlanTime, AllGathersWaitForTheLastCopyOutAndCopyInsForTheLastReduceScatter) {
+  std::vector<OpRecord> ops = {
+      kernel(StepPhase::kForward, 3'000'000'000, 0, {}, {0}),                                    // [0, 3]
+      kernel(StepPhase::kForward, 0, 1'000'000, {0}, {1}, "FSDP::all_gather_copy_out (b0)"),     // [3, 4]
+      collective("all_gather_into_tensor", 2, StepPhase::kForward, 2'000'000, {}, {2}),          // [4, 5]
+      collective("reduce_scatter_tensor", 3, StepPhase::kBackward, 8'000'000, {1}, {3}),         // [4, 8]
+      kernel(StepPhase::kBackward, 0, 1'000'000, {}, {4}, "FSDP::reduce_scatter_copy_in (b1)"),  // [8, 9]
+  };
+  TimelineOptions options;
+  options.device = round_profile();
+  const StepTime t = simulate(ops, 1, options);
+  EXPECT_NEAR(t.ops[2].start_s, 4e-3, 1e-12);
+  EXPECT_NEAR(t.ops[4].start_s, 8e-3, 1e-12);
+  EXPECT_NEAR(t.step_s, 9e-3, 1e-12);
+}
+
+TEST(PlanTime, CollectivesAcrossNodesTakeTheNetworksBandwidth) {
+  TimelineOptions options;
+  options.device = round_profile();
+  options.device.inter_node_bandwidth = 0.25e9;
+  options.device.gpus_per_node = 1;  // ranks 0 and 1 on two nodes
+  const StepTime t = simulate(five_ops(), 1, options);
+  EXPECT_NEAR(t.ops[1].end_s - t.ops[1].start_s, 4e-3, 1e-12);  // 1 MB at 0.25 GB/s
+  EXPECT_NEAR(t.ops[3].end_s - t.ops[3].start_s, 8e-3, 1e-12);
+}
+
+TEST(PlanTime, ChromeTraceHasOneRowPerStreamAndEveryOpOfTheStep) {
+  TimelineOptions options;
+  options.device = round_profile();
+  const StepTime t = simulate(five_ops(), 1, options);
+  const nlohmann::json trace = nlohmann::json::parse(chrome_trace(t));
+  std::vector<std::string> rows;
+  std::vector<double> starts;
+  for (const auto& e : trace["traceEvents"]) {
+    if (e["ph"] == "M" && e["name"] == "thread_name") rows.push_back(e["args"]["name"]);
+    if (e["ph"] == "X") starts.push_back(e["ts"].get<double>());
+  }
+  EXPECT_THAT(rows, ::testing::IsSupersetOf({"compute", "all-gather", "reduce-scatter"}));
+  ASSERT_EQ(starts.size(), 5u);
+  EXPECT_NEAR(starts[2], 2000, 1e-6);  // microseconds
+  EXPECT_NEAR(starts[3], 3000, 1e-6);
+}
+
+TEST(PlanTime, RejectsAMissingStepAndABadProfileNamingThem) {
+  TimelineOptions options;
+  options.device = round_profile();
+  EXPECT_THAT([&] { simulate(five_ops(), 3, options); },
+              ::testing::ThrowsMessage<c10::Error>(HasSubstr("no op of step 3")));
+  options.device.memory_bandwidth = 0;
+  EXPECT_THAT([&] { simulate(five_ops(), 1, options); },
+              ::testing::ThrowsMessage<c10::Error>(HasSubstr("memory_bandwidth")));
+  EXPECT_FALSE(device_profile("tpu").has_value());
+  for (const std::string& name : device_profile_names()) {
+    const std::optional<DeviceProfile> p = device_profile(name);
+    ASSERT_TRUE(p.has_value()) << name;
+    EXPECT_GT(p->peak_flops_bf16, p->peak_flops_fp32) << name;
+    EXPECT_FALSE(p->sources.empty()) << name;
+  }
+}
+
+TEST(PlanTime, MeasuresThisMachinesCpu) {
+  const DeviceProfile cpu = measure_cpu_profile(/*ranks=*/1, /*threads=*/1);
+  EXPECT_TRUE(cpu.host_computes);
+  EXPECT_GT(cpu.peak_flops_fp32, 1e8);  // any CPU of this century does 0.1 GFLOP/s on one thread
+  EXPECT_GT(cpu.memory_bandwidth, 1e8);
+  EXPECT_GT(cpu.kernel_overhead_s, 0);
+  const DeviceProfile shared = measure_cpu_profile(/*ranks=*/64, /*threads=*/1);
+  EXPECT_LT(shared.peak_flops_fp32, cpu.peak_flops_fp32);  // 64 ranks share the cores
+}
+
+}  // namespace
+}  // namespace fsdp_plan::test
