@@ -18,6 +18,7 @@
 #include "collectives/world.h"
 #include "dry_backend.h"
 #include "fsdp_plan/caching_allocator.h"
+#include "kernel_call.h"
 
 namespace fsdp_plan {
 
@@ -351,6 +352,7 @@ std::unique_ptr<OpRecord> start_kernel(const at::RecordFunction& fn) {
     });
   }
   count_flops(op->name, in, info, *op);
+  if (auto call = detail::describe_call(fn)) op->call = std::make_shared<const detail::KernelCall>(std::move(*call));
   std::lock_guard<std::mutex> lock(g_mutex);
   DryRun::Recorder* r = g_recorder;
   if (r == nullptr) return nullptr;

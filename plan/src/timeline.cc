@@ -19,6 +19,8 @@
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
+#include "kernel_call.h"
+
 namespace fsdp_plan {
 namespace {
 
@@ -110,6 +112,9 @@ void check_profile(const DeviceProfile& p) {
 }
 
 double kernel_seconds(const OpRecord& op, const DeviceProfile& p) {
+  if (p.measured_kernels && op.call) {
+    if (auto it = p.measured_kernels->find(op.call->signature); it != p.measured_kernels->end()) return it->second;
+  }
   const bool low_precision = op.dtype == c10::kBFloat16 || op.dtype == c10::kHalf;
   const double peak = low_precision ? p.peak_flops_bf16 : p.peak_flops_fp32;
   double compute = 0;
@@ -219,7 +224,7 @@ std::optional<DeviceProfile> device_profile(const std::string& name) {
 
 std::vector<std::string> device_profile_names() { return {"h100", "h100-hbm2e-500w", "h200"}; }
 
-DeviceProfile measure_cpu_profile(int ranks, int threads) {
+DeviceProfile measure_cpu_profile(int ranks, int threads, const std::vector<OpRecord>& ops) {
   TORCH_CHECK(ranks >= 1 && threads >= 1, "fsdp_plan: measure_cpu_profile needs ranks >= 1 and threads >= 1 (got ",
               ranks, " and ", threads, ")");
   const int previous_threads = at::get_num_threads();
@@ -241,10 +246,45 @@ DeviceProfile measure_cpu_profile(int ranks, int threads) {
   const double copy_s = median_seconds(5, [&] { copy.copy_(big); });
   const at::Tensor one = at::ones({1});
   const double op_s = median_seconds(201, [&] { (void)at::add(one, one); });
-  at::set_num_threads(previous_threads);
-
   const double cores = std::max(1u, std::thread::hardware_concurrency());
   const double oversubscribed = std::max(1.0, static_cast<double>(ranks) * threads / cores);
+  // Every distinct kernel, timed by `ranks` threads at once as the job's
+  // ranks would run them side by side (their contention for the cores and
+  // the memory is measured, not modelled); rank 0's times are kept.
+  std::vector<const OpRecord*> distinct;
+  std::set<std::string> seen;
+  int64_t untimed = 0;
+  for (const OpRecord& op : ops) {
+    if (op.kind != OpRecord::Kind::kKernel) continue;
+    if (!op.call || op.bytes > (int64_t{256} << 20)) {
+      ++untimed;
+      continue;
+    }
+    if (seen.insert(op.call->signature).second) distinct.push_back(&op);
+  }
+  std::vector<std::vector<std::optional<double>>> times(static_cast<size_t>(ranks));
+  const auto time_all = [&](size_t rank) {
+    for (const OpRecord* op : distinct) times[rank].push_back(detail::time_call(*op->call, /*reps=*/5));
+  };
+  {
+    std::vector<std::thread> others;
+    for (size_t r = 1; r < times.size(); ++r) others.emplace_back(time_all, r);
+    time_all(0);
+    for (std::thread& t : others) t.join();
+  }
+  auto measured = std::make_shared<std::unordered_map<std::string, double>>();
+  int64_t timed = 0;
+  for (size_t i = 0; i < distinct.size(); ++i) {
+    if (const std::optional<double>& seconds = times[0][i]) {
+      (*measured)[distinct[i]->call->signature] = *seconds;
+      ++timed;
+    } else {
+      ++untimed;
+    }
+  }
+  at::set_num_threads(previous_threads);
+  p.measured_kernels = std::move(measured);
+
   p.peak_flops_fp32 = matmul_rate / oversubscribed;
   p.peak_flops_bf16 = p.peak_flops_fp32;  // bf16 on a CPU: measured as fp32 (an estimate)
   p.matmul_efficiency = 1;
@@ -263,11 +303,12 @@ DeviceProfile measure_cpu_profile(int ranks, int threads) {
   p.collective_latency_s = 300e-6;
   p.intra_node_hop_s = 0;
   p.inter_node_hop_s = 0;
-  char sources[256];
+  char sources[320];
   std::snprintf(sources, sizeof(sources),
-                "measured now: %.1f GFLOP/s (256^3 mm), %.1f GB/s (copy), %.1f us per op, with %d threads for %d "
-                "ranks on %.0f cores; Gloo figures from docs/benchmarks.md",
-                p.peak_flops_fp32 / 1e9, p.memory_bandwidth / 1e9, p.kernel_overhead_s * 1e6, threads, ranks, cores);
+                "measured now with %d threads for %d ranks on %.0f cores: %lld distinct kernels timed (%lld by the "
+                "roofline: %.1f GFLOP/s, %.1f GB/s, %.1f us per op); Gloo figures from docs/benchmarks.md",
+                threads, ranks, cores, static_cast<long long>(timed), static_cast<long long>(untimed),
+                p.peak_flops_fp32 / 1e9, p.memory_bandwidth / 1e9, p.kernel_overhead_s * 1e6);
   p.sources = sources;
   return p;
 }

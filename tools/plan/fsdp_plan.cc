@@ -47,6 +47,8 @@ ABSL_FLAG(std::string, memory_per_gpu, "",
 ABSL_FLAG(std::string, json, "", "Write the report as JSON to this file ('-' for stdout).");
 ABSL_FLAG(std::string, device, "h100",
           "The device profile of the time model: h100, h100-hbm2e-500w, h200, or cpu (this machine, measured now).");
+ABSL_FLAG(int64_t, threads, kDefaults.threads,
+          "With --device cpu: intra-op threads per rank (0: the machine's cores divided among the ranks).");
 ABSL_FLAG(int, gpus_per_node, 8, "Ranks per node (NVLink within, the network across).");
 ABSL_FLAG(std::string, trace, "", "Write the simulated timeline of the last step as a Chrome trace (Perfetto).");
 ABSL_FLAG(bool, compare, false,
@@ -86,6 +88,7 @@ fsdp_train::TrainConfig config_from_flags() {
   c.reduce_dtype = absl::GetFlag(FLAGS_reduce_dtype);
   c.ac = absl::GetFlag(FLAGS_ac);
   c.ac_every = absl::GetFlag(FLAGS_ac_every);
+  c.threads = absl::GetFlag(FLAGS_threads);
   return c;
 }
 
@@ -105,15 +108,17 @@ int64_t parse_memory(const std::string& text) {
 
 double mib(int64_t bytes) { return static_cast<double>(bytes) / (1 << 20); }
 
-// The profile --device names; nullopt (after printing why) when unknown.
-std::optional<fsdp_plan::DeviceProfile> profile_from_flags(const fsdp_train::TrainConfig& config, int world_size) {
+// The profile --device names for the kernels of `ops`; nullopt (after
+// printing why) when unknown.
+std::optional<fsdp_plan::DeviceProfile> profile_from_flags(const fsdp_train::TrainConfig& config, int world_size,
+                                                           const std::vector<fsdp_plan::OpRecord>& ops) {
   const std::string name = absl::GetFlag(FLAGS_device);
   std::optional<fsdp_plan::DeviceProfile> profile;
   if (name == "cpu") {
     // The ranks of a CPU job share this machine, as fsdp_train --nproc runs them.
     const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     const int threads = config.threads > 0 ? static_cast<int>(config.threads) : std::max(1, cores / world_size);
-    profile = fsdp_plan::measure_cpu_profile(world_size, threads);
+    profile = fsdp_plan::measure_cpu_profile(world_size, threads, ops);
   } else {
     profile = fsdp_plan::device_profile(name);
   }
@@ -187,7 +192,10 @@ void print_comparison(const fsdp_train::TrainConfig& base, const fsdp_plan::DryR
               "MFU %");
   for (const auto& [name, c] : variants(base)) {
     const fsdp_plan_tool::TrainerPlan plan = fsdp_plan_tool::plan_trainer(c, options, local_batch, steps);
-    const fsdp_plan::StepTime time = time_of(plan, c, local_batch, steps, profile);
+    // A measured profile times this variant's own kernels.
+    const fsdp_plan::DeviceProfile variant_profile =
+        profile.host_computes ? *profile_from_flags(c, options.world_size, plan.ops) : profile;
+    const fsdp_plan::StepTime time = time_of(plan, c, local_batch, steps, variant_profile);
     std::printf("  %-28s %12.1f %12.1f %10.0f %12.1f %12.1f\n", name.c_str(), mib(plan.memory.peak_reserved),
                 time.step_s * 1e3, time.tokens_per_s, time.exposed_communication_s * 1e3, 100 * time.mfu);
   }
@@ -237,10 +245,10 @@ int run(int argc, char** argv) {
     std::fprintf(stderr, "fsdp_plan: --steps must be at least 1 (got %d)\n", steps);
     return 2;
   }
-  const std::optional<fsdp_plan::DeviceProfile> profile = profile_from_flags(config, world_size);
-  if (!profile) return 2;
+  if (!profile_from_flags(config, world_size, {})) return 2;
   const int64_t local_batch = config.global_batch / world_size;
   const fsdp_plan_tool::TrainerPlan plan = fsdp_plan_tool::plan_trainer(config, options, local_batch, steps);
+  const std::optional<fsdp_plan::DeviceProfile> profile = profile_from_flags(config, world_size, plan.ops);
   const fsdp_plan::StepTime time = time_of(plan, config, local_batch, steps, *profile);
 
   // The collectives of the last step, summed by op.
@@ -271,7 +279,8 @@ int run(int argc, char** argv) {
   for (const auto& [op, cb] : per_op) {
     std::printf("  %-34s %5lld calls  %10.1f MiB\n", op.c_str(), static_cast<long long>(cb.first), mib(cb.second));
   }
-  std::printf("time of step %d on %s\n%s", steps, profile->name.c_str(), fsdp_plan::format_time(time).c_str());
+  std::printf("time of step %d on %s\n  profile         %s\n%s", steps, profile->name.c_str(),
+              profile->sources.c_str(), fsdp_plan::format_time(time).c_str());
   if (memory_bytes > 0) {
     std::printf("fits in %.1f GiB per device: ", static_cast<double>(memory_bytes) / (1 << 30));
     if (fitting == 0) {

@@ -66,6 +66,9 @@
 #include "fsdp_plan/meta_mode.h"
 
 namespace fsdp_plan {
+namespace detail {
+struct KernelCall;  // kernel_call.h
+}  // namespace detail
 
 // What holds memory, as a user sizing a job asks (PyTorch's FSDPMemTracker's
 // categories, split where FSDP's own buffers are concerned).
@@ -120,6 +123,8 @@ struct OpRecord {
   // on stream 5, NCCL's own stream for the compute stream's collectives.
   int stream = 0;
   std::shared_ptr<const std::vector<int>> group;  // collectives: the group's global ranks
+  // Kernels: how to run it again on CPU tensors (null when it cannot be).
+  std::shared_ptr<const detail::KernelCall> call;
   int64_t step = 0;
   StepPhase step_phase = StepPhase::kSetup;
   std::string fsdp_phase;

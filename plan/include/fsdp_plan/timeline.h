@@ -42,8 +42,10 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "fsdp_plan/dry_run.h"
@@ -74,6 +76,10 @@ struct DeviceProfile {
   double collective_latency_s = 0;
   double intra_node_hop_s = 0;
   double inter_node_hop_s = 0;
+  // Measured seconds of kernels by their call's signature (the CPU profile
+  // times each distinct kernel of the plan); a kernel not in it takes the
+  // roofline above.
+  std::shared_ptr<const std::unordered_map<std::string, double>> measured_kernels;
   std::string sources;  // where the figures come from, one line
 };
 
@@ -84,13 +90,18 @@ struct DeviceProfile {
 std::optional<DeviceProfile> device_profile(const std::string& name);
 std::vector<std::string> device_profile_names();
 
-// This machine's CPU as one rank of `ranks` local ranks sees it, measured in
-// a few hundred milliseconds: a float32 matmul's rate, a copy's bandwidth
-// and an op's fixed cost, each with `threads` intra-op threads and divided
-// by the oversubscription when ranks * threads exceeds the cores; Gloo over
-// loopback for the links (figures measured once on this project's CI
-// machine, timeline.cc).
-DeviceProfile measure_cpu_profile(int ranks, int threads);
+// This machine's CPU as one rank of `ranks` local ranks sees it, measured
+// now with `threads` intra-op threads: every distinct kernel of `ops` (its
+// op, shapes, strides, dtypes and other arguments) run on CPU tensors by
+// `ranks` threads at once, as the job's ranks would run side by side, the
+// median of a few runs. Kernels that cannot run again (or move more than
+// 256 MiB) take a roofline of a float32 matmul's rate, a copy's bandwidth
+// and an op's fixed cost, measured alone and divided by the
+// oversubscription when ranks * threads exceeds the cores. Gloo over
+// loopback for the links (figures from docs/benchmarks.md, timeline.cc).
+// Must not run while a DryRun is alive (it needs real tensors). Takes about
+// ranks * 6 runs of each distinct kernel.
+DeviceProfile measure_cpu_profile(int ranks, int threads, const std::vector<OpRecord>& ops = {});
 
 struct TimelineOptions {
   DeviceProfile device;
