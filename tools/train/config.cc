@@ -51,6 +51,32 @@ int64_t hidden_size(const TrainConfig& config) {
   return (h + 15) / 16 * 16;
 }
 
+absl::Status validate_model(const TrainConfig& c) {
+  if (c.layers < 1) return flag_error(absl::StrCat("--layers must be >= 1 (got ", c.layers, ")"));
+  if (c.dim < 2) return flag_error(absl::StrCat("--dim must be >= 2 (got ", c.dim, ")"));
+  if (c.heads < 1) return flag_error(absl::StrCat("--heads must be >= 1 (got ", c.heads, ")"));
+  if (c.dim % c.heads != 0) {
+    return flag_error(absl::StrCat("--heads must divide --dim (got ", c.dim, " and ", c.heads, ")"));
+  }
+  if ((c.dim / c.heads) % 2 != 0) {
+    return flag_error(absl::StrCat("--dim / --heads (the head size) must be even for rotary embeddings (got ", c.dim,
+                                   " / ", c.heads, " = ", c.dim / c.heads, ")"));
+  }
+  if (c.kv_heads < 0) {
+    return flag_error(absl::StrCat("--kv-heads must be >= 0 (0: as many as --heads; got ", c.kv_heads, ")"));
+  }
+  if (c.kv_heads > 0 && c.heads % c.kv_heads != 0) {
+    return flag_error(absl::StrCat("--kv-heads must divide --heads (got ", c.heads, " and ", c.kv_heads,
+                                   "): each key/value head serves an equal group of query heads"));
+  }
+  if (c.hidden < 0) return flag_error(absl::StrCat("--hidden must be >= 0 (got ", c.hidden, ")"));
+  if (c.vocab < 256) {
+    return flag_error(
+        absl::StrCat("--vocab must be >= 256, the byte-level corpus's 256 token values (got ", c.vocab, ")"));
+  }
+  return absl::OkStatus();
+}
+
 namespace {
 
 // validate()'s checks by group of flags, in the order validate() runs them.
@@ -72,22 +98,6 @@ absl::Status check_batch_flags(const TrainConfig& c, int64_t world_size) {
                                    c.global_batch, " for ", world_size, " ranks): ", why));
   }
   if (c.seq_len < 2) return flag_error(absl::StrCat("--seq-len must be >= 2 (got ", c.seq_len, ")"));
-  return absl::OkStatus();
-}
-
-// The model's shape.
-absl::Status check_model_flags(const TrainConfig& c) {
-  if (c.layers < 1) return flag_error(absl::StrCat("--layers must be >= 1 (got ", c.layers, ")"));
-  if (c.dim < 2) return flag_error(absl::StrCat("--dim must be >= 2 (got ", c.dim, ")"));
-  if (c.heads < 1) return flag_error(absl::StrCat("--heads must be >= 1 (got ", c.heads, ")"));
-  if (c.dim % c.heads != 0) {
-    return flag_error(absl::StrCat("--heads must divide --dim (got ", c.dim, " and ", c.heads, ")"));
-  }
-  if ((c.dim / c.heads) % 2 != 0) {
-    return flag_error(absl::StrCat("--dim / --heads (the head size) must be even for rotary embeddings (got ", c.dim,
-                                   " / ", c.heads, " = ", c.dim / c.heads, ")"));
-  }
-  if (c.hidden < 0) return flag_error(absl::StrCat("--hidden must be >= 0 (got ", c.hidden, ")"));
   return absl::OkStatus();
 }
 
@@ -213,7 +223,7 @@ absl::Status validate(const TrainConfig& c, int64_t world_size) {
   // The groups in this order, each stopping at its first failure: the
   // message names the first bad flag.
   absl::Status status = check_batch_flags(c, world_size);
-  if (status.ok()) status = check_model_flags(c);
+  if (status.ok()) status = validate_model(c);
   if (status.ok()) status = check_optimizer_flags(c);
   if (status.ok()) status = check_compute_flags(c);
   if (status.ok()) status = check_sharding_flags(c, world_size);
