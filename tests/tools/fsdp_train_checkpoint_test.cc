@@ -2,13 +2,15 @@
 // resumed from its checkpoint trains exactly as the uninterrupted run (at
 // the same world size bit for bit, at another one within 1e-5), a process
 // killed in a save leaves the previous checkpoint usable, a rank killed under
-// --max-restarts restarts the group from its newest checkpoint, and the
-// Hugging Face export carries the same weights as the sharded checkpoint.
+// --max-restarts restarts the group from its newest checkpoint, the
+// Hugging Face export carries the same weights as the sharded checkpoint,
+// and PyTorch reads, continues and recomputes what the trainer saved.
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -411,6 +413,43 @@ TEST(FsdpTrainCheckpoint, PyTorchsAdamWContinuesFromTheTrainersOptimizerState) {
       run_program(FSDP2CPP_TEST_PYTHON, {FSDP_TRAIN_INTEROP_PY, "adamw", saves + "/step-5", saves + "/step-6"});
   ASSERT_EQ(checked.exit_code, 0) << checked.output;
   EXPECT_NE(checked.output.find("PyTorch's AdamW step 6 equals the trainer's"), std::string::npos) << checked.output;
+}
+
+// The trainer equals a plain-PyTorch replica of itself (trainer_interop.py
+// loss: fsdp2_bench.py's Transformer, the trainer's sampler rebuilt in
+// Python): loaded with the trainer's step-2 parameters, the replica computes
+// the loss the trainer records for step 3 bit for bit, each rank's rows
+// apart and their mean as the trainer takes it. The default model, and
+// grouped-query attention (4 query heads over 2 key/value heads) with a
+// vocabulary larger than the bytes; 2 ranks, one thread each.
+TEST(FsdpTrainCheckpoint, PyTorchReplicaComputesTheTrainersLossBitForBit) {
+  ScratchTree dir;
+  for (const std::vector<std::string>& model :
+       {std::vector<std::string>{}, std::vector<std::string>{"--kv-heads", "2", "--vocab", "320"}}) {
+    const std::string name = model.empty() ? "mha" : "gqa", saves = dir / name, json = dir / (name + ".json");
+    std::vector<std::string> args =
+        with(small_run_flags(json, 3),
+             {"--nproc", "2", "--threads", "1", "--data", FSDP_TRAIN_CORPUS, "--save-dir", saves, "--save-every", "1"});
+    args = with(args, model);
+    train(args, name.c_str());
+    std::vector<std::string> check = {
+        FSDP_TRAIN_INTEROP_PY, "loss", saves + "/step-2", json, FSDP_TRAIN_CORPUS, "--world", "2"};
+    // The shape and data flags of small_run_flags.
+    for (const char* flag : {"--seed", "--global-batch", "--seq-len", "--heads"}) {
+      const auto at = std::find(args.begin(), args.end(), flag);
+      ASSERT_NE(at, args.end()) << flag;
+      check.insert(check.end(), {flag, *(at + 1)});
+    }
+    check = with(check, {"--kv-heads", model.empty() ? "0" : "2"});
+    const RunResult checked = run_program(FSDP2CPP_TEST_PYTHON, check);
+    ASSERT_EQ(checked.exit_code, 0) << name << ":\n" << checked.output;
+    EXPECT_NE(checked.output.find("loss of step 3 equals the trainer's bit for bit"), std::string::npos)
+        << checked.output;
+    EXPECT_NE(
+        checked.output.find(model.empty() ? "4 heads / 4 KV heads, vocab 256" : "4 heads / 2 KV heads, vocab 320"),
+        std::string::npos)
+        << checked.output;
+  }
 }
 
 TEST(FsdpTrainCheckpoint, FlagErrors) {

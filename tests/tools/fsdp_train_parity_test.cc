@@ -1,6 +1,7 @@
 // fsdp_train end to end: the same seed and global batch give the same
 // per-step losses at world sizes 1, 2 and 3 (the global batch is split
-// across ranks, never changed by the split), and the loss falls.
+// across ranks, never changed by the split), and the loss falls; so does a
+// model with grouped-query attention and a larger vocabulary.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -16,9 +17,12 @@ namespace {
 
 constexpr int kSteps = 20;
 
-TrainRecord train(ScratchDir& dir, int world_size, bool use_launcher) {
-  const std::string json = dir.file("world" + std::to_string(world_size) + ".json");
+// `extra`: more flags (the model's shape); `name` keeps their files apart.
+TrainRecord train(ScratchDir& dir, int world_size, bool use_launcher, const std::vector<std::string>& extra = {},
+                  const std::string& name = "world", std::string* output = nullptr) {
+  const std::string json = dir.file(name + std::to_string(world_size) + ".json");
   std::vector<std::string> args = small_run_flags(json);
+  args.insert(args.end(), extra.begin(), extra.end());
   if (use_launcher) {
     args.push_back("--nproc");
     args.push_back(std::to_string(world_size));
@@ -28,7 +32,20 @@ TrainRecord train(ScratchDir& dir, int world_size, bool use_launcher) {
   const TrainRecord record = read_train_json(json);
   EXPECT_TRUE(record.ok) << "no --json record for world size " << world_size << ":\n" << run.output;
   EXPECT_EQ(record.world_size, world_size);
+  if (output != nullptr) *output = run.output;
   return record;
+}
+
+// Every step's loss of `other` within 1e-4 (relative) of `one`'s, the
+// steps numbered 1, 2, ..., and the final loss the last step's.
+void expect_same_losses(const TrainRecord& one, const TrainRecord& other) {
+  ASSERT_EQ(other.losses.size(), one.losses.size()) << "world size " << other.world_size;
+  for (size_t i = 0; i < one.losses.size(); ++i) {
+    EXPECT_EQ(other.steps[i], static_cast<int>(i) + 1);
+    EXPECT_NEAR(other.losses[i], one.losses[i], 1e-4 * std::abs(one.losses[i]))
+        << "step " << i + 1 << ", world size " << other.world_size << " vs 1";
+  }
+  EXPECT_DOUBLE_EQ(other.final_loss, other.losses.back());
 }
 
 TEST(FsdpTrainParity, LossesAgreeAcrossWorldSizesAndFall) {
@@ -40,17 +57,29 @@ TEST(FsdpTrainParity, LossesAgreeAcrossWorldSizesAndFall) {
   const TrainRecord three = train(dir, 3, /*use_launcher=*/true);
   ASSERT_TRUE(one.ok && two.ok && three.ok);
   ASSERT_EQ(one.losses.size(), static_cast<size_t>(kSteps));
-  for (const TrainRecord* other : {&two, &three}) {
-    ASSERT_EQ(other->losses.size(), one.losses.size()) << "world size " << other->world_size;
-    for (size_t i = 0; i < one.losses.size(); ++i) {
-      EXPECT_EQ(other->steps[i], static_cast<int>(i) + 1);
-      EXPECT_NEAR(other->losses[i], one.losses[i], 1e-4 * std::abs(one.losses[i]))
-          << "step " << i + 1 << ", world size " << other->world_size << " vs 1";
-    }
-    EXPECT_DOUBLE_EQ(other->final_loss, other->losses.back());
-  }
+  for (const TrainRecord* other : {&two, &three}) expect_same_losses(one, *other);
   EXPECT_LT(one.losses.back(), one.losses.front()) << "the loss did not fall in " << kSteps << " steps";
   EXPECT_NEAR(one.losses.front(), std::log(256.0), 0.5) << "a fresh byte-level model starts near ln(256)";
+}
+
+// Grouped-query attention (4 query heads sharing 2 key/value heads, the
+// Llama 3 layout) and a vocabulary larger than the bytes (rows no token
+// uses): the same losses at world sizes 1 and 2 as the default model has,
+// and the model is the one asked for.
+TEST(FsdpTrainParity, GroupedQueryAttentionAndLargerVocabAgreeAcrossWorldSizes) {
+  ScratchDir dir;
+  const std::vector<std::string> gqa = {"--kv-heads", "2", "--vocab", "320"};  // small_run_flags: --heads 4
+  std::string output;
+  const TrainRecord one = train(dir, 1, /*use_launcher=*/false, gqa, "gqa", &output);
+  const TrainRecord two = train(dir, 2, /*use_launcher=*/true, gqa, "gqa");
+  ASSERT_TRUE(one.ok && two.ok);
+  ASSERT_EQ(one.losses.size(), static_cast<size_t>(kSteps));
+  // dim 32, head size 8: qkv 32 x (32 + 2 * 2 * 8), proj 32 x 32, SwiGLU 3 x 32 x 96, two norms, per block;
+  // embeddings and output 2 x 320 x 32, final norm 32.
+  EXPECT_NE(output.find("4 heads (2 KV), SwiGLU hidden 96, vocab 320: 45,216 parameters"), std::string::npos) << output;
+  expect_same_losses(one, two);
+  EXPECT_LT(one.losses.back(), one.losses.front()) << "the loss did not fall in " << kSteps << " steps";
+  EXPECT_NEAR(one.losses.front(), std::log(320.0), 0.5) << "a fresh model starts near ln(vocab)";
 }
 
 // HSDP (2 replicas x 2 shards) trains exactly as one rank does. Global batch

@@ -1,16 +1,21 @@
 // fsdp_train's pieces: flag spelling, flag checks (in the library and in the
-// binary, which must fail before starting anything, naming the flag), and
-// the data split that makes a run independent of the world size.
+// binary, which must fail before starting anything, naming the flag), the
+// data split that makes a run independent of the world size, and the
+// model's grouped-query attention.
 #include <gtest/gtest.h>
 
 #include <string>
 #include <vector>
 
+#include <ATen/ops/allclose.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/randn.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/grad_mode.h>
 
 #include "config.h"
 #include "data.h"
+#include "model.h"
 #include "run_binary.h"
 
 namespace fsdp_train_test {
@@ -96,6 +101,27 @@ TEST(Validate, ActivationCheckpointingFlags) {
             "--ac-every 3 says which blocks --ac checkpoints; add --ac full or selective");
 }
 
+TEST(Validate, KvHeadsMustDivideHeadsAndVocabCoverTheBytes) {
+  TrainConfig c;  // 4 heads
+  for (int64_t kv : {0, 1, 2, 4}) {
+    c.kv_heads = kv;
+    EXPECT_TRUE(fsdp_train::validate(c, 2).ok()) << kv;
+  }
+  c.kv_heads = 3;
+  EXPECT_EQ(fsdp_train::validate(c, 2).message(),
+            "--kv-heads must divide --heads (got 4 and 3): each key/value head serves an equal group of query heads");
+  c.kv_heads = 8;  // more key/value heads than query heads
+  EXPECT_NE(fsdp_train::validate(c, 2).message().find("(got 4 and 8)"), std::string::npos);
+  c.kv_heads = -1;
+  EXPECT_EQ(fsdp_train::validate(c, 2).message(), "--kv-heads must be >= 0 (0: as many as --heads; got -1)");
+  c = TrainConfig{};
+  c.vocab = 128256;
+  EXPECT_TRUE(fsdp_train::validate(c, 2).ok());
+  c.vocab = 255;
+  EXPECT_EQ(fsdp_train::validate(c, 2).message(),
+            "--vocab must be >= 256, the byte-level corpus's 256 token values (got 255)");
+}
+
 TEST(Validate, MeshIsReplicateTimesShard) {
   auto mesh = fsdp_train::parse_mesh("2x3", 6);
   ASSERT_TRUE(mesh.ok());
@@ -162,6 +188,60 @@ TEST(Corpus, ShippedCorpusIsFoundAndAMissingFileNamesData) {
   EXPECT_GT(fsdp_train::generated_text(1000).size(), 999u);
 }
 
+fsdp_train::ModelConfig small_model(int64_t kv_heads) {
+  fsdp_train::ModelConfig config;  // dim 64, 4 heads of 16
+  config.kv_heads = kv_heads;
+  config.vocab = 300;
+  return config;
+}
+
+// kv_heads 0 is multi-head attention: the parameters, their names and
+// shapes of the model before grouped-query attention existed.
+TEST(Model, DefaultKvHeadsIsMultiHeadAttention) {
+  const fsdp_train::Transformer model(small_model(0));
+  const auto params = model.named_parameters();
+  EXPECT_EQ(params["layers.0.attention.qkv.weight"].sizes(), (std::vector<int64_t>{3 * 64, 64}));
+  EXPECT_EQ(params["tok_embeddings.weight"].sizes(), (std::vector<int64_t>{300, 64}));
+  EXPECT_EQ(params["output.weight"].sizes(), (std::vector<int64_t>{300, 64}));
+  int64_t numel = 0;
+  for (const auto& p : params) numel += p.value().numel();
+  EXPECT_EQ(numel, fsdp_train::parameter_count(small_model(0)));
+}
+
+TEST(Model, KvHeadsShrinkTheKeyAndValueRows) {
+  const fsdp_train::Transformer model(small_model(2));
+  // q: 64 rows; k and v: 2 heads of 16 rows each.
+  EXPECT_EQ(model.named_parameters()["layers.1.attention.qkv.weight"].sizes(), (std::vector<int64_t>{64 + 2 * 32, 64}));
+  int64_t numel = 0;
+  for (const auto& p : model.parameters()) numel += p.numel();
+  EXPECT_EQ(numel, fsdp_train::parameter_count(small_model(2)));
+  EXPECT_EQ(fsdp_train::parameter_count(small_model(0)) - numel, 2 * 64 * 64) << "2 blocks, 2 x 32 rows fewer each";
+}
+
+// The specification of grouped-query attention: 4 query heads over 2
+// key/value heads equal multi-head attention whose key/value heads 0 and 1
+// are the first key/value head and heads 2 and 3 the second
+// (repeat_interleave: consecutive query heads share one, as in Llama).
+TEST(Model, GroupedQueryAttentionEqualsMultiHeadWithEachKvHeadRepeatedForItsGroup) {
+  const torch::NoGradGuard no_grad;
+  const fsdp_train::ModelConfig gqa_config = small_model(2), mha_config = small_model(0);
+  fsdp_train::Attention gqa(gqa_config), mha(mha_config);
+  const int64_t d = 64, hd = 16;
+  const at::Tensor w = gqa->qkv->weight;  // [q (4 x 16) ; k (2 x 16) ; v (2 x 16)] rows
+  const auto repeated = [&](int64_t start) {
+    const at::Tensor heads = w.narrow(0, start, 2 * hd).view({2, hd, d});
+    return at::cat({heads[0], heads[0], heads[1], heads[1]});
+  };
+  mha->qkv->weight.copy_(at::cat({w.narrow(0, 0, d), repeated(d), repeated(d + 2 * hd)}));
+  mha->proj->weight.copy_(gqa->proj->weight);
+  const fsdp_train::RotaryTables rope = fsdp_train::rotary_tables(16, hd, 10000.0);
+  const at::Tensor x = at::randn({2, 16, d});
+  const at::Tensor expected = mha->forward(x, rope.cos, rope.sin);
+  const at::Tensor got = gqa->forward(x, rope.cos, rope.sin);
+  EXPECT_TRUE(at::allclose(got, expected, /*rtol=*/1e-5, /*atol=*/1e-6))
+      << "max |difference| " << (got - expected).abs().max().item<float>();
+}
+
 // The binary: bad flags fail at once, with a message naming the flag.
 void expect_flag_error(const std::vector<std::string>& args, const std::string& flag, const std::string& detail = "") {
   const RunResult run = run_program(FSDP_TRAIN_BINARY, args);
@@ -175,6 +255,11 @@ void expect_flag_error(const std::vector<std::string>& args, const std::string& 
 
 TEST(FsdpTrainFlags, HeadsMustDivideDim) {
   expect_flag_error({"--dim", "64", "--heads", "5"}, "--heads", "(got 64 and 5)");
+}
+
+TEST(FsdpTrainFlags, KvHeadsMustDivideHeadsAndVocabCoverTheBytes) {
+  expect_flag_error({"--heads", "4", "--kv-heads", "3"}, "--kv-heads must divide --heads", "(got 4 and 3)");
+  expect_flag_error({"--vocab", "100"}, "--vocab", "(got 100)");
 }
 
 TEST(FsdpTrainFlags, GlobalBatchMustDivideAmongRanks) {

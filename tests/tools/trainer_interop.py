@@ -1,6 +1,8 @@
-"""The Python side of FsdpTrainCheckpoint.PyTorchReadsAndWritesTrainerCheckpoints:
-PyTorch's own readers open fsdp_train's checkpoints, and a checkpoint PyTorch
-writes with the trainer's FQNs starts a trainer run.
+"""The Python side of FsdpTrainCheckpoint's PyTorch tests: PyTorch's own
+readers open fsdp_train's checkpoints, a checkpoint PyTorch writes with the
+trainer's FQNs starts a trainer run, PyTorch's AdamW continues the trainer's
+optimizer state, and a plain-PyTorch replica of the trainer's model computes
+the trainer's loss.
 
     python trainer_interop.py compare SHARDED_MODEL_DIR HF_DIR
         safetensors.torch.load_file reads the --export-hf files, PyTorch's
@@ -20,6 +22,15 @@ writes with the trainer's FQNs starts a trainer run.
         implies: g = (exp_avg[k+1] - beta1 * exp_avg[k]) / (1 - beta1).
         exp_avg_sq, step and the parameters then check every key's meaning
         against PyTorch's update rule.
+    python trainer_interop.py loss STEP_K_DIR RUN_JSON CORPUS --world N --seed S
+            --global-batch B --seq-len T --heads H [--kv-heads K]
+        The plain-PyTorch replica of the trainer's model (Transformer in
+        tools/bench/python/fsdp2_bench.py; its shape read from the weights
+        and --heads / --kv-heads) is loaded with step k's parameters and
+        computes step k+1's loss on global batch k+1 (the trainer's sampler,
+        std::seed_seq and std::mt19937_64, rebuilt below), each of the N
+        ranks' rows apart and their mean taken as the trainer does: it must
+        equal the loss RUN_JSON records for step k+1 bit for bit.
 
 Exits non-zero with a message on any mismatch.
 """
@@ -177,8 +188,123 @@ def adamw(step_k_dir, step_k1_dir):
           f"step, parameters)")
 
 
+MASK32, MASK64 = (1 << 32) - 1, (1 << 64) - 1
+
+
+def seed_seq_generate(seeds, n):
+    """std::seed_seq(seeds).generate() of n 32-bit words ([rand.util.seedseq])."""
+    out = [0x8B8B8B8B] * n
+    s = len(seeds)
+    t = 11 if n >= 623 else 7 if n >= 68 else 5 if n >= 39 else 3 if n >= 7 else (n - 1) // 2
+    p = (n - t) // 2
+    q = p + t
+    m = max(s + 1, n)
+
+    def mix(x):
+        return x ^ (x >> 27)
+
+    for k in range(m):
+        r1 = (1664525 * mix(out[k % n] ^ out[(k + p) % n] ^ out[(k - 1) % n])) & MASK32
+        r2 = (r1 + (s if k == 0 else (k % n + seeds[k - 1] if k <= s else k % n))) & MASK32
+        out[(k + p) % n] = (out[(k + p) % n] + r1) & MASK32
+        out[(k + q) % n] = (out[(k + q) % n] + r2) & MASK32
+        out[k % n] = r2
+    for k in range(m, m + n):
+        r3 = (1566083941 * mix((out[k % n] + out[(k + p) % n] + out[(k - 1) % n]) & MASK32)) & MASK32
+        r4 = (r3 - k % n) & MASK32
+        out[(k + p) % n] ^= r3
+        out[(k + q) % n] ^= r4
+        out[k % n] = r4
+    return out
+
+
+class MT19937_64:
+    """std::mt19937_64 seeded from a std::seed_seq ([rand.eng.mers])."""
+
+    N, M = 312, 156
+
+    def __init__(self, seeds):
+        words = seed_seq_generate(seeds, 2 * self.N)
+        self.state = [words[2 * i] | (words[2 * i + 1] << 32) for i in range(self.N)]
+        if self.state[0] >> 31 == 0 and not any(self.state[1:]):
+            self.state[0] = 1 << 63
+        self.index = self.N
+
+    def __call__(self):
+        if self.index >= self.N:
+            for i in range(self.N):
+                y = (self.state[i] & ~((1 << 31) - 1) & MASK64) | (self.state[(i + 1) % self.N] & ((1 << 31) - 1))
+                self.state[i] = self.state[(i + self.M) % self.N] ^ (y >> 1) ^ (0xB5026F5AA96619E9 if y & 1 else 0)
+            self.index = 0
+        y = self.state[self.index]
+        self.index += 1
+        y ^= (y >> 29) & 0x5555555555555555
+        y ^= (y << 17) & 0x71D67FFFEDA60000
+        y ^= (y << 37) & 0xFFF7EEE000000000
+        return (y ^ (y >> 43)) & MASK64
+
+
+def batch_offsets(seed, step, global_batch, seq_len, corpus_bytes):
+    """fsdp_train::BatchSampler::offsets(step) (tools/train/data.cc)."""
+    s, k = seed & MASK64, step & MASK64
+    gen = MT19937_64([s & MASK32, s >> 32, k & MASK32, k >> 32])
+    return [gen() % (corpus_bytes - seq_len) for _ in range(global_batch)]
+
+
+def replica_loss(step_k_dir, run_json, corpus_path, args):
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools", "bench",
+                                    "python"))
+    import torch.nn.functional as F
+    from fsdp2_bench import Transformer
+
+    torch.set_num_threads(1)
+    with open(os.path.join(step_k_dir, "manifest.json")) as f:
+        step = json.load(f)["step"] + 1
+    with open(run_json) as f:
+        recorded = {s["step"]: s["loss"] for s in json.load(f)["steps"]}
+    if step not in recorded:
+        sys.exit(f"{run_json} records no step {step} (steps {sorted(recorded)})")
+    weights = read_folder(os.path.join(step_k_dir, "model"))
+    vocab, dim = weights["tok_embeddings.weight"].shape
+    layers = len({key.split(".")[1] for key in weights if key.startswith("layers.")})
+    hidden = weights["layers.0.feed_forward.w1.weight"].shape[0]
+    model = Transformer(layers, dim, args.heads, hidden, args.seq_len, vocab, args.kv_heads)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if set(missing) - {"rope_cos", "rope_sin"} or unexpected:
+        sys.exit(f"the replica's parameters differ from the checkpoint's: missing {missing}, unexpected {unexpected}")
+
+    corpus = torch.frombuffer(bytearray(open(corpus_path, "rb").read()), dtype=torch.uint8)
+    offsets = batch_offsets(args.seed, step, args.global_batch, args.seq_len, corpus.numel())
+    rows = args.global_batch // args.world
+    losses = []
+    with torch.no_grad():
+        for rank in range(args.world):  # each rank's rows, as the trainer's ranks compute them
+            starts = torch.tensor(offsets[rank * rows:(rank + 1) * rows]).unsqueeze(1)
+            window = corpus[(starts + torch.arange(args.seq_len + 1)).reshape(-1)].view(rows, -1).long()
+            logits = model(window[:, :-1].contiguous())
+            losses.append(F.cross_entropy(logits.flatten(0, 1).float(), window[:, 1:].contiguous().flatten()).item())
+    loss = sum(losses) / args.world
+    if loss != recorded[step]:
+        sys.exit(f"MISMATCH loss of step {step}: the PyTorch replica's {loss!r}, the trainer's {recorded[step]!r} "
+                 f"(ranks' losses {losses})")
+    print(f"loss: the PyTorch replica's loss of step {step} equals the trainer's bit for bit ({loss!r}, "
+          f"{args.world} ranks, {args.heads} heads / {model.layers[0].attention.kv_heads} KV heads, vocab {vocab})")
+
+
+def loss_flags(argv):
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="trainer_interop.py loss STEP_K_DIR RUN_JSON CORPUS")
+    for flag in ("--world", "--seed", "--global-batch", "--seq-len", "--heads"):
+        parser.add_argument(flag, type=int, required=True)
+    parser.add_argument("--kv-heads", type=int, default=0)
+    return parser.parse_args(argv)
+
+
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "compare":
+    if len(sys.argv) >= 5 and sys.argv[1] == "loss":
+        replica_loss(sys.argv[2], sys.argv[3], sys.argv[4], loss_flags(sys.argv[5:]))
+    elif len(sys.argv) == 4 and sys.argv[1] == "compare":
         compare(sys.argv[2], sys.argv[3])
     elif len(sys.argv) == 5 and sys.argv[1] == "rewrite":
         rewrite(sys.argv[2], sys.argv[3], int(sys.argv[4]))

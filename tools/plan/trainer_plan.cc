@@ -4,9 +4,21 @@
 #include <ATen/ops/randint.h>
 #include <c10/util/Exception.h>
 
+#include "absl/flags/flag.h"
 #include "fsdp2/activation_checkpoint.h"
 #include "fsdp2/clip_grad.h"
 #include "init.h"
+#include "trainer.h"
+
+namespace {
+const fsdp_train::TrainConfig kDefaults;
+}  // namespace
+
+// fsdp_train's flags of the same names; see [Note: fsdp_plan's --kv-heads and --vocab] in trainer_plan.h.
+ABSL_FLAG(int64_t, kv_heads, kDefaults.kv_heads,
+          "Key/value heads (grouped-query attention); must divide --heads; 0: as many as --heads.");
+ABSL_FLAG(int64_t, vocab, kDefaults.vocab,
+          "Vocabulary size, at least 256 (the trainer's byte-level corpus); e.g. 128256 for Llama 3's.");
 
 namespace fsdp_plan_tool {
 namespace {
@@ -21,12 +33,7 @@ T value_or_throw(absl::StatusOr<T> value) {
 
 ShardedTrainer shard_trainer(const fsdp_train::TrainConfig& c, const fsdp::DeviceMesh& mesh,
                              const c10::Device& device) {
-  fsdp_train::ModelConfig mc;
-  mc.dim = c.dim;
-  mc.layers = c.layers;
-  mc.heads = c.heads;
-  mc.hidden = fsdp_train::hidden_size(c);
-  mc.max_seq_len = c.seq_len;
+  const fsdp_train::ModelConfig mc = fsdp_train::model_config(c);
 
   fsdp::FullyShardOptions options;
   options.mesh = mesh;
@@ -75,8 +82,19 @@ void train_step(ShardedTrainer& t, const fsdp_train::TrainConfig& c, int64_t loc
   t.optim->step();
 }
 
-TrainerPlan plan_trainer(const fsdp_train::TrainConfig& c, fsdp_plan::DryRunOptions options, int64_t local_batch,
+fsdp_train::TrainConfig with_model_flags(fsdp_train::TrainConfig config) {
+  if (const int64_t kv_heads = absl::GetFlag(FLAGS_kv_heads); kv_heads != kDefaults.kv_heads) {
+    config.kv_heads = kv_heads;
+  }
+  if (const int64_t vocab = absl::GetFlag(FLAGS_vocab); vocab != kDefaults.vocab) config.vocab = vocab;
+  return config;
+}
+
+TrainerPlan plan_trainer(const fsdp_train::TrainConfig& config, fsdp_plan::DryRunOptions options, int64_t local_batch,
                          int steps) {
+  const fsdp_train::TrainConfig c = with_model_flags(config);
+  const absl::Status valid = fsdp_train::validate_model(c);
+  TORCH_CHECK(valid.ok(), valid.message());
   TORCH_CHECK(local_batch >= 1, "fsdp_plan: the local batch must be at least 1 sequence (got ", local_batch, ")");
   TORCH_CHECK(steps >= 1, "fsdp_plan: at least one step must run (got ", steps, ")");
   const fsdp_train::MeshShape shape = value_or_throw(fsdp_train::parse_mesh(c.mesh, options.world_size));
@@ -100,8 +118,9 @@ TrainerPlan plan_trainer(const fsdp_train::TrainConfig& c, fsdp_plan::DryRunOpti
   return plan;
 }
 
-int64_t largest_local_batch(const fsdp_train::TrainConfig& c, const fsdp_plan::DryRunOptions& options,
+int64_t largest_local_batch(const fsdp_train::TrainConfig& config, const fsdp_plan::DryRunOptions& options,
                             int64_t memory_bytes, int64_t max_batch) {
+  const fsdp_train::TrainConfig c = with_model_flags(config);
   const auto fits = [&](int64_t batch) {
     return plan_trainer(c, options, batch, /*steps=*/2).memory.peak_reserved <= memory_bytes;
   };

@@ -34,7 +34,8 @@ struct ShardedTrainer {
   int64_t local_parameters = 0;  // this rank's rows
 };
 
-// The model of `config` (--layers, --dim, --heads, --hidden, --seq-len),
+// The model of `config` (fsdp_train::model_config: --layers, --dim, --heads,
+// --kv-heads, --hidden, --vocab, --seq-len),
 // each block checkpointed as --ac / --ac-every say and sharded with
 // --reshard-after-forward, --param-dtype, --reduce-dtype, then the root, and
 // AdamW over the shards: what run_training builds. REQUIRES:
@@ -49,8 +50,21 @@ ShardedTrainer shard_trainer(const fsdp_train::TrainConfig& config, const fsdp::
 void train_step(ShardedTrainer& trainer, const fsdp_train::TrainConfig& config, int64_t local_batch,
                 const std::function<void(fsdp_plan::StepPhase)>& on_phase = {});
 
+// [Note: fsdp_plan's --kv-heads and --vocab]
+// fsdp_plan.cc fills its TrainConfig from its own copies of the trainer's
+// flags, which predate --kv-heads and --vocab. Until it reads these two
+// itself (config_from_flags), they are defined beside this library
+// (trainer_plan.cc, same names, defaults and meaning as fsdp_train's), and
+// plan_trainer and largest_local_batch take them through
+// with_model_flags: a value other than the flag's default (0 and 256)
+// replaces the config's. A program that does not set them, such as the
+// tests, plans its config as it is.
+fsdp_train::TrainConfig with_model_flags(fsdp_train::TrainConfig config);
+
 // A dry run of `steps` steps of the trainer at `options` (world size, rank,
 // mesh from config.mesh, engine) with `local_batch` sequences per rank.
+// Throws c10::Error naming the flag when with_model_flags(config) fails
+// fsdp_train::validate_model (e.g. --kv-heads that does not divide --heads).
 struct TrainerPlan {
   fsdp_plan::MemoryReport memory;
   std::vector<fsdp_plan::CollectiveRecord> collectives;

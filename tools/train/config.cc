@@ -51,7 +51,38 @@ int64_t hidden_size(const TrainConfig& config) {
   return (h + 15) / 16 * 16;
 }
 
-absl::Status validate(const TrainConfig& c, int64_t world_size) {
+absl::Status validate_model(const TrainConfig& c) {
+  if (c.layers < 1) return flag_error(absl::StrCat("--layers must be >= 1 (got ", c.layers, ")"));
+  if (c.dim < 2) return flag_error(absl::StrCat("--dim must be >= 2 (got ", c.dim, ")"));
+  if (c.heads < 1) return flag_error(absl::StrCat("--heads must be >= 1 (got ", c.heads, ")"));
+  if (c.dim % c.heads != 0) {
+    return flag_error(absl::StrCat("--heads must divide --dim (got ", c.dim, " and ", c.heads, ")"));
+  }
+  if ((c.dim / c.heads) % 2 != 0) {
+    return flag_error(absl::StrCat("--dim / --heads (the head size) must be even for rotary embeddings (got ", c.dim,
+                                   " / ", c.heads, " = ", c.dim / c.heads, ")"));
+  }
+  if (c.kv_heads < 0) {
+    return flag_error(absl::StrCat("--kv-heads must be >= 0 (0: as many as --heads; got ", c.kv_heads, ")"));
+  }
+  if (c.kv_heads > 0 && c.heads % c.kv_heads != 0) {
+    return flag_error(absl::StrCat("--kv-heads must divide --heads (got ", c.heads, " and ", c.kv_heads,
+                                   "): each key/value head serves an equal group of query heads"));
+  }
+  if (c.hidden < 0) return flag_error(absl::StrCat("--hidden must be >= 0 (got ", c.hidden, ")"));
+  if (c.vocab < 256) {
+    return flag_error(
+        absl::StrCat("--vocab must be >= 256, the byte-level corpus's 256 token values (got ", c.vocab, ")"));
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+// validate()'s checks by group of flags, in the order validate() runs them.
+
+// The world size and how much data a step takes.
+absl::Status check_batch_flags(const TrainConfig& c, int64_t world_size) {
   if (world_size < 1) return flag_error(absl::StrCat("the world size must be >= 1 (got ", world_size, ")"));
   if (c.steps < 1) return flag_error(absl::StrCat("--steps must be >= 1 (got ", c.steps, ")"));
   if (c.global_batch < 1) return flag_error(absl::StrCat("--global-batch must be >= 1 (got ", c.global_batch, ")"));
@@ -67,23 +98,22 @@ absl::Status validate(const TrainConfig& c, int64_t world_size) {
                                    c.global_batch, " for ", world_size, " ranks): ", why));
   }
   if (c.seq_len < 2) return flag_error(absl::StrCat("--seq-len must be >= 2 (got ", c.seq_len, ")"));
-  if (c.layers < 1) return flag_error(absl::StrCat("--layers must be >= 1 (got ", c.layers, ")"));
-  if (c.dim < 2) return flag_error(absl::StrCat("--dim must be >= 2 (got ", c.dim, ")"));
-  if (c.heads < 1) return flag_error(absl::StrCat("--heads must be >= 1 (got ", c.heads, ")"));
-  if (c.dim % c.heads != 0) {
-    return flag_error(absl::StrCat("--heads must divide --dim (got ", c.dim, " and ", c.heads, ")"));
-  }
-  if ((c.dim / c.heads) % 2 != 0) {
-    return flag_error(absl::StrCat("--dim / --heads (the head size) must be even for rotary embeddings (got ", c.dim,
-                                   " / ", c.heads, " = ", c.dim / c.heads, ")"));
-  }
-  if (c.hidden < 0) return flag_error(absl::StrCat("--hidden must be >= 0 (got ", c.hidden, ")"));
+  return absl::OkStatus();
+}
+
+// AdamW and its schedule.
+absl::Status check_optimizer_flags(const TrainConfig& c) {
   if (!(c.lr > 0)) return flag_error(absl::StrCat("--lr must be > 0 (got ", c.lr, ")"));
   if (!(c.weight_decay >= 0)) {
     return flag_error(absl::StrCat("--weight-decay must be >= 0 (got ", c.weight_decay, ")"));
   }
   if (c.warmup < 0) return flag_error(absl::StrCat("--warmup must be >= 0 (got ", c.warmup, ")"));
   if (!(c.clip >= 0)) return flag_error(absl::StrCat("--clip must be >= 0 (got ", c.clip, ")"));
+  return absl::OkStatus();
+}
+
+// Where and how each rank computes: device, logging, threads, activation checkpointing.
+absl::Status check_compute_flags(const TrainConfig& c) {
   if (c.device != "cpu" && c.device != "cuda") {
     return flag_error(absl::StrCat("--device must be cpu or cuda (got '", c.device, "')"));
   }
@@ -97,6 +127,11 @@ absl::Status validate(const TrainConfig& c, int64_t world_size) {
     return flag_error(
         absl::StrCat("--ac-every ", c.ac_every, " says which blocks --ac checkpoints; add --ac full or selective"));
   }
+  return absl::OkStatus();
+}
+
+// fully_shard's options: mesh, mixed precision, offload, the all-gather's dtype.
+absl::Status check_sharding_flags(const TrainConfig& c, int64_t world_size) {
   if (auto mesh = parse_mesh(c.mesh, world_size); !mesh.ok()) return mesh.status();
   if (auto d = parse_dtype("param-dtype", c.param_dtype); !d.ok()) return d.status();
   if (auto d = parse_dtype("reduce-dtype", c.reduce_dtype); !d.ok()) return d.status();
@@ -119,6 +154,11 @@ absl::Status validate(const TrainConfig& c, int64_t world_size) {
                      "(got --all-gather-dtype ",
                      c.all_gather_dtype, "); add --all-gather-dtype int8"));
   }
+  return absl::OkStatus();
+}
+
+// Checkpoints: saving, resuming, stopping early, starting from given weights.
+absl::Status check_checkpoint_flags(const TrainConfig& c) {
   if (c.compare_all_gather && (!c.save_dir.empty() || c.resume || !c.export_hf.empty() || !c.profile_dir.empty())) {
     return flag_error(
         "--compare-all-gather trains twice from scratch: it takes no --save-dir, --resume, "
@@ -142,22 +182,31 @@ absl::Status validate(const TrainConfig& c, int64_t world_size) {
                                    "' is not a directory (a Hugging Face export, a checkpoint step-N, or a "
                                    "--save-dir)"));
   }
-  if (c.no_shard) {
-    if (world_size != 1) {
-      return flag_error(absl::StrCat("--no-shard trains the unsharded model on one rank (got ", world_size,
-                                     " ranks); drop --nproc or use --nproc 1"));
-    }
-    if (!c.mesh.empty()) return flag_error(absl::StrCat("--no-shard takes no --mesh (got '", c.mesh, "')"));
-    if (c.param_dtype != "fp32" || c.reduce_dtype != "fp32") {
-      return flag_error(
-          absl::StrCat("--no-shard trains in fp32: --param-dtype and --reduce-dtype are fully_shard's "
-                       "mixed precision (got ",
-                       c.param_dtype, " and ", c.reduce_dtype, ")"));
-    }
-    if (!c.reshard_after_forward) {
-      return flag_error("--no-shard: --no-reshard-after-forward is a fully_shard option; drop it");
-    }
+  return absl::OkStatus();
+}
+
+// --no-shard: one rank, and none of fully_shard's options.
+absl::Status check_no_shard_flags(const TrainConfig& c, int64_t world_size) {
+  if (!c.no_shard) return absl::OkStatus();
+  if (world_size != 1) {
+    return flag_error(absl::StrCat("--no-shard trains the unsharded model on one rank (got ", world_size,
+                                   " ranks); drop --nproc or use --nproc 1"));
   }
+  if (!c.mesh.empty()) return flag_error(absl::StrCat("--no-shard takes no --mesh (got '", c.mesh, "')"));
+  if (c.param_dtype != "fp32" || c.reduce_dtype != "fp32") {
+    return flag_error(
+        absl::StrCat("--no-shard trains in fp32: --param-dtype and --reduce-dtype are fully_shard's "
+                     "mixed precision (got ",
+                     c.param_dtype, " and ", c.reduce_dtype, ")"));
+  }
+  if (!c.reshard_after_forward) {
+    return flag_error("--no-shard: --no-reshard-after-forward is a fully_shard option; drop it");
+  }
+  return absl::OkStatus();
+}
+
+// --profile and --profile-steps.
+absl::Status check_profile_flags(const TrainConfig& c) {
   if (c.profile_dir.empty() && !c.profile_steps.empty()) {
     return flag_error(
         absl::StrCat("--profile-steps ", c.profile_steps, " needs --profile DIR (where to write the trace)"));
@@ -166,6 +215,22 @@ absl::Status validate(const TrainConfig& c, int64_t world_size) {
     if (auto s = parse_profile_steps(c.profile_steps, c.steps); !s.ok()) return s.status();
   }
   return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status validate(const TrainConfig& c, int64_t world_size) {
+  // The groups in this order, each stopping at its first failure: the
+  // message names the first bad flag.
+  absl::Status status = check_batch_flags(c, world_size);
+  if (status.ok()) status = validate_model(c);
+  if (status.ok()) status = check_optimizer_flags(c);
+  if (status.ok()) status = check_compute_flags(c);
+  if (status.ok()) status = check_sharding_flags(c, world_size);
+  if (status.ok()) status = check_checkpoint_flags(c);
+  if (status.ok()) status = check_no_shard_flags(c, world_size);
+  if (status.ok()) status = check_profile_flags(c);
+  return status;
 }
 
 absl::Status check_device(const TrainConfig& config, int64_t local_ranks) {

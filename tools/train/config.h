@@ -36,7 +36,14 @@ struct TrainConfig {
   int64_t layers = 4;
   int64_t dim = 128;
   int64_t heads = 4;
+  // Key/value heads: grouped-query attention when fewer than heads (Llama 3.1
+  // 8B: 32 heads, 8 KV heads); 0: as many as heads. Must divide heads.
+  int64_t kv_heads = 0;
   int64_t hidden = 0;
+  // Token embedding and output rows: 256 covers every byte of the corpus; a
+  // larger vocabulary (a real tokenizer's, e.g. Llama 3's 128256) adds rows
+  // the byte data never uses, for sizing runs.
+  int64_t vocab = 256;
   // AdamW with linear warm-up and cosine decay to lr / 10.
   double lr = 1e-2;
   double weight_decay = 0.1;
@@ -133,6 +140,10 @@ int64_t hidden_size(const TrainConfig& config);
 // run over `world_size` ranks. The message names the flag and the value, e.g.
 // "--heads must divide --dim (got 64 and 5)".
 absl::Status validate(const TrainConfig& config, int64_t world_size);
+
+// The checks of validate() on the model's shape alone (--layers, --dim,
+// --heads, --kv-heads, --hidden, --vocab), which need no world size.
+absl::Status validate_model(const TrainConfig& config);
 
 // Checks that the device of --device can host `local_ranks` ranks on this
 // machine (CUDA: present, and one GPU per local rank).

@@ -59,7 +59,12 @@ ABSL_FLAG(int64_t, seq_len, kDefaults.seq_len, "Tokens (bytes) per sequence.");
 ABSL_FLAG(int64_t, layers, kDefaults.layers, "Transformer blocks (each one fully_shard group).");
 ABSL_FLAG(int64_t, dim, kDefaults.dim, "Model width.");
 ABSL_FLAG(int64_t, heads, kDefaults.heads, "Attention heads; must divide --dim into an even head size.");
+ABSL_FLAG(int64_t, kv_heads, kDefaults.kv_heads,
+          "Key/value heads (grouped-query attention); must divide --heads; 0: as many as --heads.");
 ABSL_FLAG(int64_t, hidden, kDefaults.hidden, "SwiGLU hidden size; 0: 8/3 * dim rounded up to 16.");
+ABSL_FLAG(int64_t, vocab, kDefaults.vocab,
+          "Vocabulary size, at least 256 (the byte-level corpus's); a larger one only adds embedding and output "
+          "rows that no token uses.");
 ABSL_FLAG(double, lr, kDefaults.lr, "Peak learning rate (AdamW; linear warm-up, cosine decay to lr/10).");
 ABSL_FLAG(double, weight_decay, kDefaults.weight_decay, "AdamW weight decay.");
 ABSL_FLAG(int64_t, warmup, kDefaults.warmup, "Warm-up steps.");
@@ -123,7 +128,9 @@ fsdp_train::TrainConfig config_from_flags() {
   c.layers = absl::GetFlag(FLAGS_layers);
   c.dim = absl::GetFlag(FLAGS_dim);
   c.heads = absl::GetFlag(FLAGS_heads);
+  c.kv_heads = absl::GetFlag(FLAGS_kv_heads);
   c.hidden = absl::GetFlag(FLAGS_hidden);
+  c.vocab = absl::GetFlag(FLAGS_vocab);
   c.lr = absl::GetFlag(FLAGS_lr);
   c.weight_decay = absl::GetFlag(FLAGS_weight_decay);
   c.warmup = absl::GetFlag(FLAGS_warmup);

@@ -41,19 +41,28 @@ at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Te
   return at::cat({x1 * c - x2 * s, x1 * s + x2 * c}, -1);
 }
 
-AttentionImpl::AttentionImpl(const ModelConfig& config) : heads(config.heads) {
-  const int64_t d = config.dim;
-  qkv = register_module("qkv", torch::nn::Linear(torch::nn::LinearOptions(d, 3 * d).bias(false)));
+int64_t kv_head_count(const ModelConfig& config) { return config.kv_heads > 0 ? config.kv_heads : config.heads; }
+
+AttentionImpl::AttentionImpl(const ModelConfig& config) : heads(config.heads), kv_heads(kv_head_count(config)) {
+  TORCH_CHECK(heads % kv_heads == 0, "Attention: kv_heads (", kv_heads, ") must divide heads (", heads, ")");
+  const int64_t d = config.dim, kv_dim = kv_heads * (d / heads);
+  qkv = register_module("qkv", torch::nn::Linear(torch::nn::LinearOptions(d, d + 2 * kv_dim).bias(false)));
   proj = register_module("proj", torch::nn::Linear(torch::nn::LinearOptions(d, d).bias(false)));
 }
 
 at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   const int64_t b = x.size(0), t = x.size(1), d = x.size(2), hd = d / heads;
-  // [b, t, 3, heads, hd] -> [3, b, heads, t, hd]
-  const at::Tensor q_k_v = qkv(x).view({b, t, 3, heads, hd}).permute({2, 0, 3, 1, 4});
-  const at::Tensor q = apply_rotary(q_k_v[0], cos, sin);
-  const at::Tensor k = apply_rotary(q_k_v[1], cos, sin);
-  const at::Tensor out = at::scaled_dot_product_attention(q, k, q_k_v[2], /*attn_mask=*/{}, /*dropout_p=*/0.0,
+  // [b, t, heads + 2 * kv_heads, hd] -> [b, heads + 2 * kv_heads, t, hd]: q's heads, k's, v's.
+  const at::Tensor q_k_v = qkv(x).view({b, t, heads + 2 * kv_heads, hd}).transpose(1, 2);
+  const at::Tensor q = apply_rotary(q_k_v.narrow(1, 0, heads), cos, sin);
+  at::Tensor k = apply_rotary(q_k_v.narrow(1, heads, kv_heads), cos, sin);
+  at::Tensor v = q_k_v.narrow(1, heads + kv_heads, kv_heads);
+  if (kv_heads != heads) {  // key/value head j serves query heads [j * group, (j + 1) * group)
+    const int64_t group = heads / kv_heads;
+    k = k.repeat_interleave(group, /*dim=*/1);
+    v = v.repeat_interleave(group, /*dim=*/1);
+  }
+  const at::Tensor out = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0,
                                                           /*is_causal=*/true);
   return proj(out.transpose(1, 2).reshape({b, t, d}));
 }
@@ -108,8 +117,10 @@ at::Tensor Transformer::forward(const at::Tensor& tokens) {
 }
 
 int64_t block_parameter_count(const ModelConfig& c) {
-  // qkv + proj, w1 + w2 + w3, two norms.
-  return 4 * c.dim * c.dim + 3 * c.dim * c.hidden + 2 * c.dim;
+  // qkv (q: dim rows, k and v: kv_heads * head_dim rows each) + proj, w1 + w2
+  // + w3, two norms.
+  const int64_t kv_dim = kv_head_count(c) * (c.dim / c.heads);
+  return c.dim * (c.dim + 2 * kv_dim) + c.dim * c.dim + 3 * c.dim * c.hidden + 2 * c.dim;
 }
 
 int64_t parameter_count(const ModelConfig& c) {

@@ -4,8 +4,8 @@
 //   tokens -> tok_embeddings -> layers[0..N) -> norm -> output -> logits
 //   Block(x) = h + feed_forward(ffn_norm(h)),  h = x + attention(attention_norm(x))
 //
-// RMSNorm, rotary position embeddings (RoPE), causal self-attention and a
-// SwiGLU MLP, with no biases. The only FSDP-specific line is the holder of
+// RMSNorm, rotary position embeddings (RoPE), causal self-attention (grouped
+// query attention when kv_heads < heads) and a SwiGLU MLP, with no biases. The only FSDP-specific line is the holder of
 // Block: FSDP2CPP_MODULE instead of TORCH_MODULE, so that `block(x, ...)`
 // runs the forward hooks fully_shard installs on each block. Submodules that
 // are not sharded on their own (the norms, attention, MLP inside a block)
@@ -34,10 +34,13 @@
 namespace fsdp_train {
 
 struct ModelConfig {
-  int64_t vocab = 256;  // byte-level
+  int64_t vocab = 256;  // byte-level; a larger vocabulary only adds rows no token uses
   int64_t dim = 64;
   int64_t layers = 2;
   int64_t heads = 4;
+  // Key/value heads (grouped-query attention); 0: `heads` (multi-head
+  // attention). REQUIRES: divides heads.
+  int64_t kv_heads = 0;
   int64_t hidden = 176;  // SwiGLU hidden size
   int64_t max_seq_len = 64;
   double norm_eps = 1e-5;
@@ -66,13 +69,23 @@ RotaryTables rotary_tables(int64_t max_seq_len, int64_t head_dim, double theta);
 // by the angles of positions [0, seq).
 at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 
-// Causal multi-head self-attention with rotary embeddings on q and k.
+// The key/value heads of `config`: kv_heads, or heads when kv_heads is 0.
+int64_t kv_head_count(const ModelConfig& config);
+
+// Causal self-attention with rotary embeddings on q and k. With kv_heads <
+// heads it is grouped-query attention (Llama 2 70B, Llama 3): q has `heads`
+// heads, k and v have kv_heads, and each key/value head serves heads /
+// kv_heads consecutive query heads (repeat_interleave over the head dim, as
+// Llama's and torchtitan's repeat_kv do) before scaled dot-product attention.
 struct AttentionImpl : torch::nn::Module {
   explicit AttentionImpl(const ModelConfig& config);
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 
   int64_t heads;
-  torch::nn::Linear qkv{nullptr};  // dim -> 3 * dim (q, k, v)
+  int64_t kv_heads;
+  // dim -> (heads + 2 * kv_heads) * head_dim: the rows of q, then k, then v
+  // (3 * dim when kv_heads == heads).
+  torch::nn::Linear qkv{nullptr};
   torch::nn::Linear proj{nullptr};
 };
 TORCH_MODULE(Attention);

@@ -134,10 +134,12 @@ void print_header(const TrainConfig& c, const fsdp::DeviceMesh& mesh, const Corp
                   int64_t params, int64_t local_params, int world_size) {
   std::printf("fsdp_train: %d rank%s on %s (%s), mesh %s\n", world_size, world_size == 1 ? "" : "s", c.device.c_str(),
               c.device == "cuda" ? "NCCL" : "Gloo", mesh.to_string().c_str());
+  // "4 heads", or with grouped-query attention "32 heads (8 KV)".
+  const std::string kv_heads = kv_head_count(m) == m.heads ? "" : " (" + std::to_string(kv_head_count(m)) + " KV)";
   std::printf(
-      "  model   %lld layers, dim %lld, %lld heads, SwiGLU hidden %lld, vocab %lld: %s parameters (%s on rank 0)\n",
+      "  model   %lld layers, dim %lld, %lld heads%s, SwiGLU hidden %lld, vocab %lld: %s parameters (%s on rank 0)\n",
       static_cast<long long>(m.layers), static_cast<long long>(m.dim), static_cast<long long>(m.heads),
-      static_cast<long long>(m.hidden), static_cast<long long>(m.vocab),
+      kv_heads.c_str(), static_cast<long long>(m.hidden), static_cast<long long>(m.vocab),
       format_count(static_cast<double>(params)).c_str(), format_count(static_cast<double>(local_params)).c_str());
   std::printf("  data    %s (%s bytes); global batch %lld x %lld tokens, %lld rows per rank\n", corpus.source.c_str(),
               format_count(static_cast<double>(corpus.bytes.numel())).c_str(), static_cast<long long>(c.global_batch),
@@ -162,16 +164,6 @@ void print_header(const TrainConfig& c, const fsdp::DeviceMesh& mesh, const Corp
                 static_cast<long long>(c.ac_every));
   }
   std::fflush(stdout);
-}
-
-ModelConfig model_config(const TrainConfig& c) {
-  ModelConfig mc;
-  mc.dim = c.dim;
-  mc.layers = c.layers;
-  mc.heads = c.heads;
-  mc.hidden = hidden_size(c);
-  mc.max_seq_len = c.seq_len;
-  return mc;
 }
 
 // The model and, unless --no-shard, its fully_shard root.
@@ -354,6 +346,18 @@ void report_run(const TrainConfig& c, const fsdp::DeviceMesh& mesh, const c10::D
 }
 
 }  // namespace
+
+ModelConfig model_config(const TrainConfig& c) {
+  ModelConfig mc;
+  mc.vocab = c.vocab;
+  mc.dim = c.dim;
+  mc.layers = c.layers;
+  mc.heads = c.heads;
+  mc.kv_heads = c.kv_heads;
+  mc.hidden = hidden_size(c);
+  mc.max_seq_len = c.seq_len;
+  return mc;
+}
 
 TrainingResult run_training(const TrainConfig& c, const std::shared_ptr<fsdp::collectives::World>& world) {
   const int rank = world->rank(), world_size = world->size();

@@ -11,9 +11,15 @@
 
 #include "collectives/world.h"
 #include "config.h"
+#include "model.h"
 #include "report.h"
 
 namespace fsdp_train {
+
+// The model of `config` (--layers, --dim, --heads, --kv-heads, --hidden,
+// --vocab, --seq-len as the longest sequence): what run_training builds, and
+// what fsdp_plan plans.
+ModelConfig model_config(const TrainConfig& config);
 
 // Trains as this process's rank of `world`. REQUIRES: validate(config,
 // world->size()) is OK. Throws c10::Error (or std::runtime_error for data

@@ -1,8 +1,8 @@
 """PyTorch FSDP2 counterparts of fsdp2cpp's benchmark programs (tools/bench).
 
 The trainer's model (tools/train/model.h) written in Python, same
-architecture and shapes: RMSNorm in fp32, rotary attention, SwiGLU MLP, byte
-vocabulary 256, no biases. It is trained as fsdp_train trains it (AdamW
+architecture and shapes: RMSNorm in fp32, rotary attention (grouped-query
+with --kv-heads), SwiGLU MLP, byte vocabulary 256 (or --vocab), no biases. It is trained as fsdp_train trains it (AdamW
 betas 0.9/0.95, byte batches from the same corpus) under
 torch.distributed.fsdp.fully_shard, one call per block and one on the root,
 with Gloo on CPU or NCCL on CUDA, or unsharded (--no-shard). The C++
@@ -70,17 +70,28 @@ def apply_rotary(x, cos, sin):
 
 
 class Attention(nn.Module):
-    def __init__(self, dim, heads):
+    """kv_heads < heads: grouped-query attention, each key/value head serving
+    heads // kv_heads consecutive query heads (repeat_interleave, as Llama's
+    repeat_kv); 0: as many as heads. qkv's rows are q's, then k's, then v's."""
+
+    def __init__(self, dim, heads, kv_heads=0):
         super().__init__()
         self.heads = heads
-        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.kv_heads = kv_heads or heads
+        kv_dim = self.kv_heads * (dim // heads)
+        self.qkv = nn.Linear(dim, dim + 2 * kv_dim, bias=False)
         self.proj = nn.Linear(dim, dim, bias=False)
 
     def forward(self, x, cos, sin):
         b, t, d = x.shape
         hd = d // self.heads
-        q, k, v = self.qkv(x).view(b, t, 3, self.heads, hd).permute(2, 0, 3, 1, 4)
-        out = F.scaled_dot_product_attention(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, is_causal=True)
+        qkv = self.qkv(x).view(b, t, self.heads + 2 * self.kv_heads, hd).transpose(1, 2)
+        q, k, v = qkv.split([self.heads, self.kv_heads, self.kv_heads], dim=1)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.kv_heads != self.heads:
+            k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
+            v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(out.transpose(1, 2).reshape(b, t, d))
 
 
@@ -96,10 +107,10 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, dim, heads, hidden):
+    def __init__(self, dim, heads, hidden, kv_heads=0):
         super().__init__()
         self.attention_norm = RMSNorm(dim)
-        self.attention = Attention(dim, heads)
+        self.attention = Attention(dim, heads, kv_heads)
         self.ffn_norm = RMSNorm(dim)
         self.feed_forward = FeedForward(dim, hidden)
 
@@ -109,10 +120,10 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, layers, dim, heads, hidden, max_seq_len, vocab=256):
+    def __init__(self, layers, dim, heads, hidden, max_seq_len, vocab=256, kv_heads=0):
         super().__init__()
         self.tok_embeddings = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(Block(dim, heads, hidden) for _ in range(layers))
+        self.layers = nn.ModuleList(Block(dim, heads, hidden, kv_heads) for _ in range(layers))
         self.norm = RMSNorm(dim)
         self.output = nn.Linear(dim, vocab, bias=False)
         cos, sin = rotary_tables(max_seq_len, dim // heads)
@@ -214,7 +225,7 @@ def train_rank(rank, args, out):
     torch.manual_seed(args.seed)
     hidden = hidden_size(args.dim, args.hidden)
     with torch.device(device):
-        model = Transformer(args.layers, args.dim, args.heads, hidden, args.seq_len)
+        model = Transformer(args.layers, args.dim, args.heads, hidden, args.seq_len, args.vocab, args.kv_heads)
     apply_activation_checkpointing(model, args)
     if not args.no_shard:
         for block in model.layers:
@@ -336,6 +347,8 @@ def main():
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=0, help="key/value heads (grouped-query); 0: --heads")
+    parser.add_argument("--vocab", type=int, default=256, help="at least 256 (the corpus is bytes)")
     parser.add_argument("--hidden", type=int, default=0)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--global-batch", type=int, default=8)
@@ -362,6 +375,10 @@ def main():
         parser.error("--global-batch must be divisible by --nproc")
     if args.ac_every < 1:
         parser.error("--ac-every must be >= 1")
+    if args.kv_heads < 0 or (args.kv_heads and args.heads % args.kv_heads):
+        parser.error(f"--kv-heads must divide --heads (got {args.heads} and {args.kv_heads})")
+    if args.vocab < 256:
+        parser.error(f"--vocab must be >= 256, the byte-level corpus's 256 token values (got {args.vocab})")
     args.port = free_port()
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
