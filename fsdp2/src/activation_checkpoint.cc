@@ -136,6 +136,8 @@ struct SelectiveFrame {
   size_t cursor = 0;
   int depth = 0;
   const std::string* region = nullptr;
+  bool every_other_mm = false;  // CheckpointOptions::save_every_other_mm
+  int64_t mms = 0;              // aten::mm calls seen in forward
 };
 
 thread_local SelectiveFrame* selective_frame = nullptr;
@@ -218,6 +220,9 @@ void selective_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
   const size_t num_returns = schema.returns().size();
   // Only functional ops: the replay returns values, it writes nothing.
   bool keepable = !schema.is_mutable();
+  // torchtitan's refinement: the 2nd, 4th, ... matmul of the region is
+  // recomputed (its replay finds no kept output).
+  if (f->every_other_mm && schema.name() == "aten::mm" && ++f->mms % 2 == 0) keepable = false;
   for (const auto& r : schema.returns()) keepable = keepable && r.alias_info() == nullptr;
   for (size_t i = stack->size() - num_returns; i < stack->size(); ++i) {
     const c10::IValue& v = (*stack)[i];
@@ -285,6 +290,7 @@ struct CheckpointState : torch::CustomClassHolder {
   AutocastState autocast;
   // Selective checkpointing: the policy (empty: full) and what forward kept.
   std::unordered_set<std::string> save_ops;
+  bool save_every_other_mm = false;
   std::vector<SavedOp> saved_ops;
   // Handed from checkpoint_region to the node's forward.
   std::vector<at::Tensor> pending_inputs, pending_outputs;
@@ -506,10 +512,12 @@ std::vector<at::Tensor> checkpoint_region(const CheckpointOptions& options, torc
     detached.push_back(std::move(d));
   }
   state->save_ops.insert(options.save_ops.begin(), options.save_ops.end());
+  state->save_every_other_mm = options.save_every_other_mm;
   const uint64_t begin = at::sequence_number::peek();
   std::vector<at::Tensor> outputs;
   {
-    SelectiveFrame frame{&state->save_ops, &state->saved_ops, /*replay=*/false, 0, 0, &state->name};
+    SelectiveFrame frame{&state->save_ops, &state->saved_ops,         /*replay=*/false, 0, 0,
+                         &state->name,     state->save_every_other_mm};
     SelectiveScope selective(state->save_ops.empty() ? nullptr : &frame);
     outputs = region(detached);
   }

@@ -202,6 +202,43 @@ TEST(ActivationCheckpoint, SelectiveKeepsAndReusesThePolicysOutputs) {
   EXPECT_TRUE(at::equal(std::get<1>(sac), std::get<1>(plain)));
 }
 
+// torchtitan's refinement: of two matmuls in a region, the first output is
+// kept and the second recomputed, and the gradients stay those of the plain
+// run bit for bit.
+TEST(ActivationCheckpoint, EveryOtherMatmulKeepsTheFirstAndRecomputesTheSecond) {
+  torch::manual_seed(3);
+  auto first = torch::nn::Linear(torch::nn::LinearOptions(6, 6).bias(false));
+  auto second = torch::nn::Linear(torch::nn::LinearOptions(6, 6).bias(false));
+  std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> outputs;
+  auto region = [&](const at::Tensor& x) {
+    at::Tensor h = at::mm(x.reshape({-1, 6}), first->weight.t());
+    outputs.push_back(h.storage().getWeakStorageImpl());
+    at::Tensor g = at::mm(at::tanh(h), second->weight.t());
+    outputs.push_back(g.storage().getWeakStorageImpl());
+    return at::tanh(g);
+  };
+  auto run = [&](std::optional<CheckpointOptions> options) {
+    first->weight.mutable_grad() = at::Tensor();
+    second->weight.mutable_grad() = at::Tensor();
+    outputs.clear();
+    at::Tensor x = input();
+    at::Tensor out = options ? activation_checkpoint(*options, region, x) : region(x);
+    at::Tensor loss = out.pow(2).sum();
+    const std::pair<bool, bool> kept = {!outputs[0].expired(), !outputs[1].expired()};
+    loss.backward();
+    return std::make_tuple(x.grad().clone(), first->weight.grad().clone(), second->weight.grad().clone(), kept);
+  };
+  const auto plain = run(std::nullopt);
+  const auto all_mm = run(CheckpointOptions{.save_ops = {"aten::mm"}});
+  EXPECT_TRUE(std::get<3>(all_mm).first && std::get<3>(all_mm).second) << "both mm outputs were to be kept";
+  const auto alternate = run(CheckpointOptions{.save_ops = {"aten::mm"}, .save_every_other_mm = true});
+  EXPECT_TRUE(std::get<3>(alternate).first) << "the first mm output was not kept";
+  EXPECT_FALSE(std::get<3>(alternate).second) << "the second mm output was kept";
+  EXPECT_TRUE(at::equal(std::get<0>(alternate), std::get<0>(plain)));
+  EXPECT_TRUE(at::equal(std::get<1>(alternate), std::get<1>(plain)));
+  EXPECT_TRUE(at::equal(std::get<2>(alternate), std::get<2>(plain)));
+}
+
 // The default policy on the stack (its Linears run as mm, into whose output
 // LibTorch's linear then adds the bias in place, through _unsafe_view's
 // own version counter: such a kept output must be recomputed, not replayed;

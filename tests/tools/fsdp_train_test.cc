@@ -89,7 +89,7 @@ TEST(Validate, ActivationCheckpointingFlags) {
   c.ac_every = 2;
   EXPECT_TRUE(fsdp_train::validate(c, 2).ok());
   c.ac = "some";
-  EXPECT_EQ(fsdp_train::validate(c, 2).message(), "--ac must be none, full or selective (got 'some')");
+  EXPECT_EQ(fsdp_train::validate(c, 2).message(), "--ac must be none, full, selective or torchtitan (got 'some')");
   c.ac = "selective";
   EXPECT_TRUE(fsdp_train::validate(c, 2).ok());
   c.ac = "full";

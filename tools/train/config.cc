@@ -119,8 +119,8 @@ absl::Status check_compute_flags(const TrainConfig& c) {
   }
   if (c.log_every < 1) return flag_error(absl::StrCat("--log-every must be >= 1 (got ", c.log_every, ")"));
   if (c.threads < 0) return flag_error(absl::StrCat("--threads must be >= 0 (got ", c.threads, ")"));
-  if (c.ac != "none" && c.ac != "full" && c.ac != "selective") {
-    return flag_error(absl::StrCat("--ac must be none, full or selective (got '", c.ac, "')"));
+  if (c.ac != "none" && c.ac != "full" && c.ac != "selective" && c.ac != "torchtitan") {
+    return flag_error(absl::StrCat("--ac must be none, full, selective or torchtitan (got '", c.ac, "')"));
   }
   if (c.ac_every < 1) return flag_error(absl::StrCat("--ac-every must be >= 1 (got ", c.ac_every, ")"));
   if (c.ac_every != 1 && c.ac == "none") {

@@ -85,7 +85,9 @@ struct TrainConfig {
   // forward and runs again in backward); selective (it also keeps the
   // outputs of its matmuls and attention, fsdp::selective_checkpoint_ops(),
   // and recomputes the rest). ac_every N checkpoints blocks 0, N, 2N, ...
-  // (torchtitan's "every Nth block").
+  // (torchtitan's "every Nth block"). torchtitan: selective with
+  // torchtitan's refinement, every other matmul output recomputed
+  // (fsdp::CheckpointOptions::save_every_other_mm).
   std::string ac = "none";
   int64_t ac_every = 1;
   // The same model and loop without fully_shard, on one rank: the unsharded

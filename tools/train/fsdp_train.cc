@@ -92,8 +92,9 @@ ABSL_FLAG(bool, compare_all_gather, kDefaults.compare_all_gather,
           "print bytes all-gathered per step, step time and the loss curves' largest difference.");
 ABSL_FLAG(std::string, ac, kDefaults.ac,
           "Activation checkpointing of the blocks: none, full (each checkpointed block keeps only its input "
-          "through forward and is recomputed in backward) or selective (full, but the outputs of the matmuls and "
-          "attention are kept, not recomputed).");
+          "through forward and is recomputed in backward), selective (full, but the outputs of the matmuls and "
+          "attention are kept, not recomputed) or torchtitan (selective with torchtitan's refinement: every other "
+          "matmul output is recomputed).");
 ABSL_FLAG(int64_t, ac_every, kDefaults.ac_every, "With --ac: checkpoint every this many blocks (0, N, 2N, ...).");
 ABSL_FLAG(bool, no_shard, kDefaults.no_shard,
           "Train the same model without fully_shard on one rank (the unsharded baseline of the benchmarks).");

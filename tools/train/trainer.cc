@@ -196,8 +196,7 @@ ShardedModel build_model(const TrainConfig& c, const ModelConfig& mc, const fsdp
   // --ac: blocks 0, N, 2N, ... are checkpointed, then sharded (the order
   // users apply them; fully_shard's hooks run outside the checkpoint either
   // way). Selective keeps the matmuls' and attention's outputs.
-  fsdp::CheckpointOptions ac_options;
-  if (c.ac == "selective") ac_options.save_ops = fsdp::selective_checkpoint_ops();
+  const fsdp::CheckpointOptions ac_options = checkpoint_options(c);
   int64_t block_index = 0;
   std::function<void(Block&)> on_block = [&](Block& block) {
     if (c.ac != "none" && block_index % c.ac_every == 0) fsdp::checkpoint_module(*block, ac_options);
@@ -346,6 +345,13 @@ void report_run(const TrainConfig& c, const fsdp::DeviceMesh& mesh, const c10::D
 }
 
 }  // namespace
+
+fsdp::CheckpointOptions checkpoint_options(const TrainConfig& c) {
+  fsdp::CheckpointOptions options;
+  if (c.ac == "selective" || c.ac == "torchtitan") options.save_ops = fsdp::selective_checkpoint_ops();
+  options.save_every_other_mm = c.ac == "torchtitan";
+  return options;
+}
 
 ModelConfig model_config(const TrainConfig& c) {
   ModelConfig mc;

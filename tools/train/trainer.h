@@ -11,6 +11,7 @@
 
 #include "collectives/world.h"
 #include "config.h"
+#include "fsdp2/activation_checkpoint.h"
 #include "model.h"
 #include "report.h"
 
@@ -20,6 +21,11 @@ namespace fsdp_train {
 // --vocab, --seq-len as the longest sequence): what run_training builds, and
 // what fsdp_plan plans.
 ModelConfig model_config(const TrainConfig& config);
+
+// What --ac checkpoints each chosen block with: full (nothing kept),
+// selective (fsdp::selective_checkpoint_ops()) or torchtitan (the same, every
+// other matmul output recomputed). The same for run_training and fsdp_plan.
+fsdp::CheckpointOptions checkpoint_options(const TrainConfig& config);
 
 // Trains as this process's rank of `world`. REQUIRES: validate(config,
 // world->size()) is OK. Throws c10::Error (or std::runtime_error for data

@@ -94,6 +94,12 @@ struct CheckpointOptions {
   // (its version changed) is recomputed instead. See
   // selective_checkpoint_ops().
   std::vector<std::string> save_ops;
+  // torchtitan's refinement of its op policy: of the aten::mm outputs
+  // save_ops keeps, keep only the 1st, 3rd, 5th, ... of each run of the
+  // region and recompute the others: about half the matmul activations for
+  // about half the matmuls run again. No effect without "aten::mm" in
+  // save_ops.
+  bool save_every_other_mm = false;
 };
 
 // The default selective policy: the matrix products (aten::mm, addmm, bmm,
@@ -104,8 +110,8 @@ struct CheckpointOptions {
 // while their outputs are a few [batch, seq, dim]-sized tensors per block;
 // the norms, activations, residual adds and dropouts in between are cheap
 // to recompute and would cost as much memory to keep. The same choice as
-// torchtitan's _save_list (mm and the attention kernels), without its
-// "every other mm" refinement.
+// torchtitan's _save_list (mm and the attention kernels); its "every other
+// mm" refinement is CheckpointOptions::save_every_other_mm.
 std::vector<std::string> selective_checkpoint_ops();
 
 namespace detail {
