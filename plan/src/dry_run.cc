@@ -150,6 +150,7 @@ struct Frame {
   bool aten;  // an ATen op, not an autograd node
   bool has_callees = false;
   std::unique_ptr<OpRecord> kernel;  // what it reads and costs, if it runs a kernel
+  size_t allocations_before = 0;     // the recorder's allocations when it started
 };
 thread_local std::vector<Frame> t_frames;
 
@@ -304,7 +305,7 @@ void count_flops(const std::string& name, c10::ArrayRef<const c10::IValue> in, c
 
 struct OpInfo;
 const OpInfo& info_of(const at::RecordFunction& fn);
-std::unique_ptr<OpRecord> start_kernel(const at::RecordFunction& fn);
+std::unique_ptr<OpRecord> start_kernel(const at::RecordFunction& fn, size_t* allocations_before);
 
 // FSDP phase labels reach us as RecordFunction user scopes (phase.h opens
 // one for each phase when any callback is registered).
@@ -315,7 +316,9 @@ std::unique_ptr<at::ObserverContext> on_scope_enter(const at::RecordFunction& fn
     // (Autograd's own scopes, "detach", are not ATen ops.)
     const bool aten = fn.scope() == at::RecordScope::FUNCTION && std::strncmp(fn.name(), "aten::", 6) == 0;
     if (!t_frames.empty() && !(aten && info_of(fn).free)) t_frames.back().has_callees = true;
-    t_frames.push_back(Frame{fn.name(), aten, false, aten ? start_kernel(fn) : nullptr});
+    Frame frame{fn.name(), aten};
+    if (aten) frame.kernel = start_kernel(fn, &frame.allocations_before);
+    t_frames.push_back(std::move(frame));
     return nullptr;
   }
   if (std::strncmp(fn.name(), "FSDP::", 6) != 0) return nullptr;
@@ -335,7 +338,7 @@ std::unique_ptr<at::ObserverContext> on_scope_enter(const at::RecordFunction& fn
 
 // What an op reads and its cost, taken as it starts (its inputs are gone by
 // its end); null for an op that runs no kernel.
-std::unique_ptr<OpRecord> start_kernel(const at::RecordFunction& fn) {
+std::unique_ptr<OpRecord> start_kernel(const at::RecordFunction& fn, size_t* allocations_before) {
   const OpInfo& info = info_of(fn);
   if (info.free) return nullptr;
   auto op = std::make_unique<OpRecord>();
@@ -362,15 +365,23 @@ std::unique_ptr<OpRecord> start_kernel(const at::RecordFunction& fn) {
       if (const int64_t a = r->allocation_of(t); a >= 0) (written ? op->writes : op->reads).push_back(a);
     });
   }
+  *allocations_before = r->allocations.size();
   return op;
 }
 
 // A kernel: an ATen op that called no other op and is no view or allocation.
-void finish_kernel(const at::RecordFunction& fn, std::unique_ptr<OpRecord> op) {
+void finish_kernel(const at::RecordFunction& fn, std::unique_ptr<OpRecord> op, size_t allocations_before) {
   for (const c10::IValue& v : fn.outputs()) op->bytes += bytes_of(v);
   std::lock_guard<std::mutex> lock(g_mutex);
   DryRun::Recorder* r = g_recorder;
   if (r == nullptr) return;
+  // A functional op that returned tensors without allocating any ran no
+  // kernel: selective checkpointing's recomputation handed back what
+  // forward kept (fsdp2/activation_checkpoint.h), or the op returned an
+  // input as it was.
+  bool returns_tensors = false;
+  for (const c10::IValue& v : fn.outputs()) returns_tensors = returns_tensors || v.isTensor() || v.isTensorList();
+  if (op->writes.empty() && returns_tensors && r->allocations.size() == allocations_before) return;
   for (const c10::IValue& v : fn.outputs()) {
     for_each_tensor(v, [&](const at::Tensor& t) {
       if (const int64_t a = r->allocation_of(t); a >= 0) op->writes.push_back(a);
@@ -385,7 +396,7 @@ void on_scope_exit(const at::RecordFunction& fn, at::ObserverContext*) {
     if (t_frames.empty()) return;
     Frame frame = std::move(t_frames.back());
     t_frames.pop_back();
-    if (frame.kernel && !frame.has_callees) finish_kernel(fn, std::move(frame.kernel));
+    if (frame.kernel && !frame.has_callees) finish_kernel(fn, std::move(frame.kernel), frame.allocations_before);
     return;
   }
   if (std::strncmp(fn.name(), "FSDP::", 6) != 0) return;

@@ -10,9 +10,7 @@
 namespace fsdp_plan::detail {
 namespace {
 
-TensorSpec spec_of(const at::Tensor& t) {
-  return TensorSpec{t.sizes().vec(), t.strides().vec(), t.scalar_type()};
-}
+TensorSpec spec_of(const at::Tensor& t) { return TensorSpec{t.sizes().vec(), t.strides().vec(), t.scalar_type()}; }
 
 void describe(std::ostringstream& out, const TensorSpec& s) {
   out << c10::toString(s.dtype) << "[" << c10::Join(",", s.sizes) << "]/[" << c10::Join(",", s.strides) << "]";

@@ -51,8 +51,11 @@ constexpr int kCollectiveStream = 5;
 //     per kernel;
 //   - the 500 W cap of torchtitan's H100s: 0.85 of the 700 W board's
 //     sustained tensor-core rate (estimate: the clock such a cap sustains
-//     under dense GEMM load); their 96 GB of HBM2e: six stacks of 16 GB at
-//     3.2 Gb/s per pin, 2.46 TB/s.
+//     under dense GEMM load); their 96 GB of HBM2e at 2.4 TB/s (torchtitan's
+//     docs/performance.md, which describes those machines).
+constexpr const char* kSharedSources =
+    "efficiencies, links and overheads as timeline.cc's [Note: the shipped device profiles] says";
+
 DeviceProfile h100_sxm() {
   DeviceProfile p;
   p.name = "h100";
@@ -70,9 +73,7 @@ DeviceProfile h100_sxm() {
   p.collective_latency_s = 15e-6;
   p.intra_node_hop_s = 1e-6;
   p.inter_node_hop_s = 5e-6;
-  p.sources =
-      "H100 SXM5 80 GB datasheet peaks; efficiencies and link figures as in timeline.cc, [Note: the shipped device "
-      "profiles]";
+  p.sources = "H100 SXM5 80 GB datasheet peaks; " + std::string(kSharedSources);
   return p;
 }
 
@@ -81,8 +82,9 @@ DeviceProfile h100_hbm2e_500w() {
   p.name = "h100-hbm2e-500w";
   p.peak_flops_bf16 *= 0.85;
   p.peak_flops_fp32 *= 0.85;
-  p.memory_bandwidth = 2.46e12;
-  p.sources = "H100 SXM datasheet peaks at 0.85 for the 500 W cap, six HBM2e stacks; " + p.sources.substr(25);
+  p.memory_bandwidth = 2.4e12;
+  p.sources = "H100 SXM5 datasheet peaks at 0.85 for the 500 W cap, HBM2e at 2.4 TB/s (torchtitan's docs); " +
+              std::string(kSharedSources);
   return p;
 }
 
@@ -90,7 +92,7 @@ DeviceProfile h200_sxm() {
   DeviceProfile p = h100_sxm();
   p.name = "h200";
   p.memory_bandwidth = 4.8e12;
-  p.sources = "H200 SXM 141 GB datasheet (H100's compute, HBM3e 4.8 TB/s); " + p.sources.substr(25);
+  p.sources = "H200 SXM 141 GB datasheet (H100's compute, HBM3e 4.8 TB/s); " + std::string(kSharedSources);
   return p;
 }
 

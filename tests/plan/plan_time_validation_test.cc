@@ -55,7 +55,8 @@ double measured_step_seconds(Runner& runner) {
   for (int step = 0; step < kWarmup + kTimed; ++step) {
     const auto start = std::chrono::steady_clock::now();
     runner.step([](StepPhase) {});
-    if (step >= kWarmup) times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    if (step >= kWarmup)
+      times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
   std::sort(times.begin(), times.end());
   return times[times.size() / 2];
@@ -82,13 +83,13 @@ TEST_P(PlanTimeValidation, SimulatedStepWithinFifteenPercentOfMeasured) {
         const double measured = measured_step_seconds(runner);
         if (ctx.rank() != 0) continue;
         const double error = simulated / measured - 1;
-        std::fprintf(stderr, "world size %d %-8s attempt %d: simulated %.2f ms, measured %.2f ms (%+.1f%%)\n", world_size, name,
-                    attempt + 1, simulated * 1e3, measured * 1e3, 100 * error);
+        std::fprintf(stderr, "world size %d %-8s attempt %d: simulated %.2f ms, measured %.2f ms (%+.1f%%)\n",
+                     world_size, name, attempt + 1, simulated * 1e3, measured * 1e3, 100 * error);
         if (std::abs(error) < std::abs(best)) best = error;
       }
       if (ctx.rank() == 0) {
-        EXPECT_LT(std::abs(best), 0.15) << name << " at world size " << world_size << ": closest attempt "
-                                        << 100 * best << "% off";
+        EXPECT_LT(std::abs(best), 0.15) << name << " at world size " << world_size << ": closest attempt " << 100 * best
+                                        << "% off";
       }
     }
   });

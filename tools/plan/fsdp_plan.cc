@@ -62,13 +62,19 @@ ABSL_FLAG(int64_t, layers, kDefaults.layers, "Transformer blocks (each one fully
 ABSL_FLAG(int64_t, dim, kDefaults.dim, "Model width.");
 ABSL_FLAG(int64_t, heads, kDefaults.heads, "Attention heads; must divide --dim into an even head size.");
 ABSL_FLAG(int64_t, hidden, kDefaults.hidden, "SwiGLU hidden size; 0: 8/3 * dim rounded up to 16.");
+ABSL_FLAG(int64_t, kv_heads, kDefaults.kv_heads,
+          "Key/value heads (grouped-query attention); must divide --heads; 0: as many as --heads.");
+ABSL_FLAG(int64_t, vocab, kDefaults.vocab,
+          "Vocabulary size, at least 256 (the trainer's byte-level corpus); e.g. 128256 for Llama 3's.");
 ABSL_FLAG(double, clip, kDefaults.clip, "Max global gradient norm; 0: no clipping.");
 ABSL_FLAG(bool, reshard_after_forward, kDefaults.reshard_after_forward,
           "Free each block's unsharded parameters after its forward.");
 ABSL_FLAG(std::string, mesh, "", "RxS: replicate x shard ranks (HSDP when R > 1); default 1 x world size.");
 ABSL_FLAG(std::string, param_dtype, kDefaults.param_dtype, "fp32, bf16 or fp16: MixedPrecisionPolicy.param_dtype.");
 ABSL_FLAG(std::string, reduce_dtype, kDefaults.reduce_dtype, "fp32, bf16 or fp16: MixedPrecisionPolicy.reduce_dtype.");
-ABSL_FLAG(std::string, ac, kDefaults.ac, "Activation checkpointing of the blocks: none, full or selective.");
+ABSL_FLAG(std::string, ac, kDefaults.ac,
+          "Activation checkpointing of the blocks: none, full, selective, or torchtitan (selective, every other "
+          "matmul output recomputed).");
 ABSL_FLAG(int64_t, ac_every, kDefaults.ac_every, "With --ac: checkpoint every this many blocks.");
 
 namespace {
@@ -81,6 +87,8 @@ fsdp_train::TrainConfig config_from_flags() {
   c.dim = absl::GetFlag(FLAGS_dim);
   c.heads = absl::GetFlag(FLAGS_heads);
   c.hidden = absl::GetFlag(FLAGS_hidden);
+  c.kv_heads = absl::GetFlag(FLAGS_kv_heads);
+  c.vocab = absl::GetFlag(FLAGS_vocab);
   c.clip = absl::GetFlag(FLAGS_clip);
   c.reshard_after_forward = absl::GetFlag(FLAGS_reshard_after_forward);
   c.mesh = absl::GetFlag(FLAGS_mesh);
@@ -138,20 +146,6 @@ std::optional<fsdp_plan::DeviceProfile> profile_from_flags(const fsdp_train::Tra
   return profile;
 }
 
-// The time of the last step of `plan` under `profile`. MFU counts model FLOPs
-// as torchtitan does: 6 per parameter (the embedding's excluded) and 12 *
-// layers * heads * head size * sequence length per token for attention.
-fsdp_plan::StepTime time_of(const fsdp_plan_tool::TrainerPlan& plan, const fsdp_train::TrainConfig& config,
-                            int64_t local_batch, int steps, const fsdp_plan::DeviceProfile& profile) {
-  fsdp_plan::TimelineOptions t;
-  t.device = profile;
-  t.tokens = local_batch * config.seq_len;
-  const double per_token = 6.0 * static_cast<double>(plan.parameters - plan.embedding_parameters) +
-                           12.0 * static_cast<double>(config.layers * config.dim * config.seq_len);
-  t.model_flops = per_token * static_cast<double>(t.tokens);
-  return fsdp_plan::simulate(plan.ops, steps, t);
-}
-
 // The settings a user weighs, each changed alone from `base`: reshard after
 // forward, activation checkpointing, mixed precision.
 std::vector<std::pair<std::string, fsdp_train::TrainConfig>> variants(const fsdp_train::TrainConfig& base) {
@@ -195,7 +189,7 @@ void print_comparison(const fsdp_train::TrainConfig& base, const fsdp_plan::DryR
     // A measured profile times this variant's own kernels.
     const fsdp_plan::DeviceProfile variant_profile =
         profile.host_computes ? *profile_from_flags(c, options.world_size, plan.ops) : profile;
-    const fsdp_plan::StepTime time = time_of(plan, c, local_batch, steps, variant_profile);
+    const fsdp_plan::StepTime time = fsdp_plan_tool::simulate_trainer(plan, c, local_batch, steps, variant_profile);
     std::printf("  %-28s %12.1f %12.1f %10.0f %12.1f %12.1f\n", name.c_str(), mib(plan.memory.peak_reserved),
                 time.step_s * 1e3, time.tokens_per_s, time.exposed_communication_s * 1e3, 100 * time.mfu);
   }
@@ -249,7 +243,7 @@ int run(int argc, char** argv) {
   const int64_t local_batch = config.global_batch / world_size;
   const fsdp_plan_tool::TrainerPlan plan = fsdp_plan_tool::plan_trainer(config, options, local_batch, steps);
   const std::optional<fsdp_plan::DeviceProfile> profile = profile_from_flags(config, world_size, plan.ops);
-  const fsdp_plan::StepTime time = time_of(plan, config, local_batch, steps, *profile);
+  const fsdp_plan::StepTime time = fsdp_plan_tool::simulate_trainer(plan, config, local_batch, steps, *profile);
 
   // The collectives of the last step, summed by op.
   std::map<std::string, std::pair<int64_t, int64_t>> per_op;  // count, bytes
@@ -265,11 +259,13 @@ int run(int argc, char** argv) {
   std::printf("fsdp_plan: rank %d of %d (%s semantics), mesh %s\n", options.rank, world_size, engine.c_str(),
               config.mesh.empty() ? ("1x" + std::to_string(world_size)).c_str() : config.mesh.c_str());
   std::printf(
-      "  model   %lld layers, dim %lld, %lld heads, SwiGLU hidden %lld, seq %lld: %lld parameters (%lld on this "
-      "rank)\n",
+      "  model   %lld layers, dim %lld, %lld heads (%lld key/value), SwiGLU hidden %lld, vocab %lld, seq %lld: %lld "
+      "parameters (%lld on this rank)\n",
       static_cast<long long>(config.layers), static_cast<long long>(config.dim), static_cast<long long>(config.heads),
-      static_cast<long long>(fsdp_train::hidden_size(config)), static_cast<long long>(config.seq_len),
-      static_cast<long long>(plan.parameters), static_cast<long long>(plan.local_parameters));
+      static_cast<long long>(config.kv_heads > 0 ? config.kv_heads : config.heads),
+      static_cast<long long>(fsdp_train::hidden_size(config)), static_cast<long long>(config.vocab),
+      static_cast<long long>(config.seq_len), static_cast<long long>(plan.parameters),
+      static_cast<long long>(plan.local_parameters));
   std::printf(
       "  step    local batch %lld, param dtype %s, reduce dtype %s, reshard after forward %s, ac %s; %d steps\n",
       static_cast<long long>(local_batch), config.param_dtype.c_str(), config.reduce_dtype.c_str(),
@@ -279,8 +275,8 @@ int run(int argc, char** argv) {
   for (const auto& [op, cb] : per_op) {
     std::printf("  %-34s %5lld calls  %10.1f MiB\n", op.c_str(), static_cast<long long>(cb.first), mib(cb.second));
   }
-  std::printf("time of step %d on %s\n  profile         %s\n%s", steps, profile->name.c_str(),
-              profile->sources.c_str(), fsdp_plan::format_time(time).c_str());
+  std::printf("time of step %d on %s\n  profile         %s\n%s", steps, profile->name.c_str(), profile->sources.c_str(),
+              fsdp_plan::format_time(time).c_str());
   if (memory_bytes > 0) {
     std::printf("fits in %.1f GiB per device: ", static_cast<double>(memory_bytes) / (1 << 30));
     if (fitting == 0) {

@@ -4,21 +4,10 @@
 #include <ATen/ops/randint.h>
 #include <c10/util/Exception.h>
 
-#include "absl/flags/flag.h"
 #include "fsdp2/activation_checkpoint.h"
 #include "fsdp2/clip_grad.h"
 #include "init.h"
 #include "trainer.h"
-
-namespace {
-const fsdp_train::TrainConfig kDefaults;
-}  // namespace
-
-// fsdp_train's flags of the same names; see [Note: fsdp_plan's --kv-heads and --vocab] in trainer_plan.h.
-ABSL_FLAG(int64_t, kv_heads, kDefaults.kv_heads,
-          "Key/value heads (grouped-query attention); must divide --heads; 0: as many as --heads.");
-ABSL_FLAG(int64_t, vocab, kDefaults.vocab,
-          "Vocabulary size, at least 256 (the trainer's byte-level corpus); e.g. 128256 for Llama 3's.");
 
 namespace fsdp_plan_tool {
 namespace {
@@ -41,8 +30,7 @@ ShardedTrainer shard_trainer(const fsdp_train::TrainConfig& c, const fsdp::Devic
   options.mp_policy.reduce_dtype = value_or_throw(fsdp_train::parse_dtype("reduce-dtype", c.reduce_dtype));
   fsdp::FullyShardOptions block_options = options;
   block_options.reshard_after_forward = c.reshard_after_forward;
-  fsdp::CheckpointOptions ac_options;
-  if (c.ac == "selective") ac_options.save_ops = fsdp::selective_checkpoint_ops();
+  const fsdp::CheckpointOptions ac_options = fsdp_train::checkpoint_options(c);
   int64_t block_index = 0;
   const std::function<void(fsdp_train::Block&)> on_block = [&](fsdp_train::Block& block) {
     if (c.ac != "none" && block_index % c.ac_every == 0) fsdp::checkpoint_module(*block, ac_options);
@@ -82,17 +70,9 @@ void train_step(ShardedTrainer& t, const fsdp_train::TrainConfig& c, int64_t loc
   t.optim->step();
 }
 
-fsdp_train::TrainConfig with_model_flags(fsdp_train::TrainConfig config) {
-  if (const int64_t kv_heads = absl::GetFlag(FLAGS_kv_heads); kv_heads != kDefaults.kv_heads) {
-    config.kv_heads = kv_heads;
-  }
-  if (const int64_t vocab = absl::GetFlag(FLAGS_vocab); vocab != kDefaults.vocab) config.vocab = vocab;
-  return config;
-}
-
 TrainerPlan plan_trainer(const fsdp_train::TrainConfig& config, fsdp_plan::DryRunOptions options, int64_t local_batch,
                          int steps) {
-  const fsdp_train::TrainConfig c = with_model_flags(config);
+  const fsdp_train::TrainConfig& c = config;
   const absl::Status valid = fsdp_train::validate_model(c);
   TORCH_CHECK(valid.ok(), valid.message());
   TORCH_CHECK(local_batch >= 1, "fsdp_plan: the local batch must be at least 1 sequence (got ", local_batch, ")");
@@ -118,9 +98,20 @@ TrainerPlan plan_trainer(const fsdp_train::TrainConfig& config, fsdp_plan::DryRu
   return plan;
 }
 
+fsdp_plan::StepTime simulate_trainer(const TrainerPlan& plan, const fsdp_train::TrainConfig& c, int64_t local_batch,
+                                     int steps, const fsdp_plan::DeviceProfile& profile) {
+  fsdp_plan::TimelineOptions t;
+  t.device = profile;
+  t.tokens = local_batch * c.seq_len;
+  const double per_token = 6.0 * static_cast<double>(plan.parameters - plan.embedding_parameters) +
+                           12.0 * static_cast<double>(c.layers * c.dim * c.seq_len);
+  t.model_flops = per_token * static_cast<double>(t.tokens);
+  return fsdp_plan::simulate(plan.ops, steps, t);
+}
+
 int64_t largest_local_batch(const fsdp_train::TrainConfig& config, const fsdp_plan::DryRunOptions& options,
                             int64_t memory_bytes, int64_t max_batch) {
-  const fsdp_train::TrainConfig c = with_model_flags(config);
+  const fsdp_train::TrainConfig& c = config;
   const auto fits = [&](int64_t batch) {
     return plan_trainer(c, options, batch, /*steps=*/2).memory.peak_reserved <= memory_bytes;
   };

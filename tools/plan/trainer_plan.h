@@ -22,6 +22,7 @@
 #include "device_mesh/device_mesh.h"
 #include "fsdp2/fully_shard.h"
 #include "fsdp_plan/dry_run.h"
+#include "fsdp_plan/timeline.h"
 #include "model.h"
 
 namespace fsdp_plan_tool {
@@ -50,20 +51,9 @@ ShardedTrainer shard_trainer(const fsdp_train::TrainConfig& config, const fsdp::
 void train_step(ShardedTrainer& trainer, const fsdp_train::TrainConfig& config, int64_t local_batch,
                 const std::function<void(fsdp_plan::StepPhase)>& on_phase = {});
 
-// [Note: fsdp_plan's --kv-heads and --vocab]
-// fsdp_plan.cc fills its TrainConfig from its own copies of the trainer's
-// flags, which predate --kv-heads and --vocab. Until it reads these two
-// itself (config_from_flags), they are defined beside this library
-// (trainer_plan.cc, same names, defaults and meaning as fsdp_train's), and
-// plan_trainer and largest_local_batch take them through
-// with_model_flags: a value other than the flag's default (0 and 256)
-// replaces the config's. A program that does not set them, such as the
-// tests, plans its config as it is.
-fsdp_train::TrainConfig with_model_flags(fsdp_train::TrainConfig config);
-
 // A dry run of `steps` steps of the trainer at `options` (world size, rank,
 // mesh from config.mesh, engine) with `local_batch` sequences per rank.
-// Throws c10::Error naming the flag when with_model_flags(config) fails
+// Throws c10::Error naming the flag when config fails
 // fsdp_train::validate_model (e.g. --kv-heads that does not divide --heads).
 struct TrainerPlan {
   fsdp_plan::MemoryReport memory;
@@ -75,6 +65,13 @@ struct TrainerPlan {
 };
 TrainerPlan plan_trainer(const fsdp_train::TrainConfig& config, fsdp_plan::DryRunOptions options, int64_t local_batch,
                          int steps);
+
+// The time of step `steps` of `plan` under `profile`, with `local_batch`
+// sequences of config.seq_len tokens per rank. MFU counts model FLOPs as
+// torchtitan does: 6 per parameter and token (the token embedding's
+// excluded) and 12 * layers * dim * seq_len per token for attention.
+fsdp_plan::StepTime simulate_trainer(const TrainerPlan& plan, const fsdp_train::TrainConfig& config,
+                                     int64_t local_batch, int steps, const fsdp_plan::DeviceProfile& profile);
 
 // The largest local batch (sequences per rank) whose predicted peak reserved
 // memory fits in `memory_bytes`, searched by doubling and bisection over dry
