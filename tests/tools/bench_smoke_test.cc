@@ -302,5 +302,21 @@ TEST(BenchSmoke, AcBenchPrintsOneRowPerModeForBothSystems) {
   }
 }
 
+TEST(BenchSmoke, PlanTimeBenchPrintsSimulatedAndMeasuredPerWorldSize) {
+  const RunResult run = run_program(FSDP_PLAN_TIME_BENCH, {"--quick"});
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  for (const char* column : {"simulated ms", "measured ms", "sim/meas"}) {
+    EXPECT_NE(run.output.find(column), std::string::npos) << column << " missing:\n" << run.output;
+  }
+  const auto rows = lines_starting_with(run.output, "tiny ");
+  ASSERT_EQ(rows.size(), 2u) << "world sizes 1 and 2:\n" << run.output;
+  for (const std::string& row : rows) {
+    const std::vector<double> v = numbers_from(row, 1);  // ranks, simulated, measured, ratio
+    ASSERT_EQ(v.size(), 4u) << row;
+    for (double x : v) EXPECT_TRUE(std::isfinite(x) && x > 0) << row;
+    EXPECT_NEAR(v[3], v[1] / v[2], 0.01) << row;
+  }
+}
+
 }  // namespace
 }  // namespace fsdp_train_test
