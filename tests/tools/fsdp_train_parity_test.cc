@@ -131,9 +131,10 @@ TEST(FsdpTrainParity, Int8AllGatherComparison) {
   EXPECT_LT(max_diff, 0.05) << run.output;  // and close: about 1% of a loss near 3-5
 }
 
-// --ac full (every block, and every second one) and --ac selective
-// recompute the blocks in backward with the same kernels in the same order
-// (selective reusing the matmuls' kept outputs): on CPU the losses equal
+// --ac full (every block, and every second one), --ac selective and --ac
+// torchtitan recompute the blocks in backward with the same kernels in the
+// same order (selective reusing the matmuls' kept outputs, torchtitan every
+// other one of them): on CPU the losses equal
 // those of --ac none bit for bit, and the per-step JSON keeps its peak
 // memory. Two ranks, so that the recomputation runs between the
 // pre-backward all-gather and the reduce-scatter.
@@ -146,7 +147,9 @@ TEST(ActivationCheckpointTrainer, LossesEqualWithoutCheckpointing) {
     args.insert(args.end(), ac.begin(), ac.end());
     const RunResult result = run_program(FSDP_TRAIN_BINARY, args);
     EXPECT_EQ(result.exit_code, 0) << name << ":\n" << result.output;
-    if (!ac.empty()) EXPECT_NE(result.output.find("activation checkpointing of"), std::string::npos) << result.output;
+    if (!ac.empty()) {
+      EXPECT_NE(result.output.find("activation checkpointing of"), std::string::npos) << result.output;
+    }
     std::ifstream in(json);
     const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
     size_t peaks = 0;
@@ -161,8 +164,9 @@ TEST(ActivationCheckpointTrainer, LossesEqualWithoutCheckpointing) {
   const TrainRecord full = run("full", {"--ac", "full"});
   const TrainRecord every2 = run("every2", {"--ac", "full", "--ac-every", "2"});
   const TrainRecord selective = run("selective", {"--ac", "selective"});
-  ASSERT_TRUE(none.ok && full.ok && every2.ok && selective.ok);
-  for (const TrainRecord* other : {&full, &every2, &selective}) {
+  const TrainRecord torchtitan = run("torchtitan", {"--ac", "torchtitan"});
+  ASSERT_TRUE(none.ok && full.ok && every2.ok && selective.ok && torchtitan.ok);
+  for (const TrainRecord* other : {&full, &every2, &selective, &torchtitan}) {
     ASSERT_EQ(other->losses.size(), none.losses.size());
     for (size_t i = 0; i < none.losses.size(); ++i) EXPECT_EQ(other->losses[i], none.losses[i]) << "step " << i + 1;
   }

@@ -162,7 +162,7 @@ std::vector<std::pair<std::string, fsdp_train::TrainConfig>> variants(const fsdp
   fsdp_train::TrainConfig c = base;
   c.reshard_after_forward = !base.reshard_after_forward;
   add(std::string("reshard after forward ") + (c.reshard_after_forward ? "yes" : "no"), c);
-  for (const char* ac : {"none", "selective", "full"}) {
+  for (const char* ac : {"none", "selective", "torchtitan", "full"}) {
     c = base;
     c.ac = ac;
     add(std::string("ac ") + ac, c);
