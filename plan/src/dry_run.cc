@@ -220,11 +220,14 @@ const OpInfo& info_of(const at::RecordFunction& fn) {
   static std::mutex mutex;
   static std::unordered_map<std::string, OpInfo> cache;
   const std::string name = fn.name();
+  // By overload: _chunk_cat.out writes its `out`, _chunk_cat writes nothing.
+  const auto op_name = fn.operator_name();
+  const std::string key = op_name ? name + "." + op_name->overload_name : name;
   std::lock_guard<std::mutex> lock(mutex);
-  if (auto it = cache.find(name); it != cache.end()) return it->second;
+  if (auto it = cache.find(key); it != cache.end()) return it->second;
   OpInfo info;
   info.free = allocates_only(name);
-  if (auto op_name = fn.operator_name()) {
+  if (op_name) {
     if (auto handle = c10::Dispatcher::singleton().findSchema(*op_name)) {
       const c10::FunctionSchema& schema = handle->schema();
       bool returns_tensors = false, writes = false;
@@ -247,7 +250,7 @@ const OpInfo& info_of(const at::RecordFunction& fn) {
       if (!returns_tensors && !writes) info.free = true;
     }
   }
-  return cache.emplace(name, std::move(info)).first->second;
+  return cache.emplace(key, std::move(info)).first->second;
 }
 
 int64_t bytes_of(const c10::IValue& v) {

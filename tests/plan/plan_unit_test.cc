@@ -156,8 +156,8 @@ TEST(PlanDryRun, RecordsEachMatmulsFlopsAndTheStreamOfEachCollective) {
   two_blocks_at_world_size_2(&ops);
   int64_t forward_flops = 0, backward_flops = 0;
   int all_gathers = 0, reduce_scatters = 0;
-  std::map<int64_t, int> writer_stream;  // allocation -> the stream of its last writer
-  bool reduce_scatter_reads_a_gradient = false;
+  std::map<int64_t, int> writer_stream;         // allocation -> the stream of its last writer
+  int reduce_scatters_after_their_copy_in = 0;  // every storage they read was written on the compute stream
   for (const OpRecord& op : ops) {
     if (op.step == 2 && op.matmul) (op.step_phase == StepPhase::kForward ? forward_flops : backward_flops) += op.flops;
     if (op.step == 2 && op.kind == OpRecord::Kind::kCollective) {
@@ -168,7 +168,9 @@ TEST(PlanDryRun, RecordsEachMatmulsFlopsAndTheStreamOfEachCollective) {
       if (op.name == "reduce_scatter_tensor") {
         ++reduce_scatters;
         EXPECT_EQ(op.stream, 3);
-        for (int64_t a : op.reads) reduce_scatter_reads_a_gradient |= writer_stream.count(a) && writer_stream[a] == 0;
+        bool all = !op.reads.empty();
+        for (int64_t a : op.reads) all = all && writer_stream.count(a) && writer_stream[a] == 0;
+        reduce_scatters_after_their_copy_in += all;
       }
     }
     for (int64_t a : op.writes) writer_stream[a] = op.stream;
@@ -177,7 +179,7 @@ TEST(PlanDryRun, RecordsEachMatmulsFlopsAndTheStreamOfEachCollective) {
   EXPECT_EQ(backward_flops, 3 * 65536);
   EXPECT_EQ(all_gathers, 4);
   EXPECT_EQ(reduce_scatters, 2);
-  EXPECT_TRUE(reduce_scatter_reads_a_gradient);
+  EXPECT_EQ(reduce_scatters_after_their_copy_in, 2);
 }
 
 fsdp_train::TrainConfig small_trainer() {
@@ -187,6 +189,34 @@ fsdp_train::TrainConfig small_trainer() {
   c.heads = 4;
   c.seq_len = 32;
   return c;
+}
+
+// Every reduce-scatter of the trainer's step (bf16 parameters, fp32
+// reduction: the copy-in casts) reads only what the compute stream's copy-in
+// wrote: the edge that keeps the time model from running it before the
+// backward that makes its gradients. (An op's schema is looked up by
+// overload: _chunk_cat.out writes its `out`, _chunk_cat writes nothing; keyed
+// by name alone the copy-in lost its write.)
+TEST(PlanDryRun, EachReduceScatterReadsWhatItsCopyInWrote) {
+  DryRunOptions options;
+  options.world_size = 4;
+  fsdp_train::TrainConfig c = small_trainer();
+  c.param_dtype = "bf16";
+  const fsdp_plan_tool::TrainerPlan plan = fsdp_plan_tool::plan_trainer(c, options, 2, 2);
+  std::map<int64_t, std::string> writer_phase;
+  int reduce_scatters = 0;
+  for (const OpRecord& op : plan.ops) {
+    if (op.step == 2 && op.name == "reduce_scatter_tensor") {
+      ++reduce_scatters;
+      ASSERT_FALSE(op.reads.empty());
+      for (int64_t a : op.reads) {
+        ASSERT_TRUE(writer_phase.count(a)) << "a reduce-scatter in " << op.fsdp_phase << " reads what nothing wrote";
+        EXPECT_EQ(writer_phase[a].rfind("FSDP::reduce_scatter_copy_in", 0), 0u) << writer_phase[a];
+      }
+    }
+    for (int64_t a : op.writes) writer_phase[a] = op.fsdp_phase;
+  }
+  EXPECT_EQ(reduce_scatters, 3);  // two blocks and the root
 }
 
 TEST(PlanDryRun, SimulatesOneRankOfAThousandAndTwentyFour) {
