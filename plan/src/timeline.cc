@@ -488,9 +488,11 @@ std::string chrome_trace(const StepTime& t) {
   events.push_back(
       {{"name", "process_name"}, {"ph", "M"}, {"pid", 1}, {"args", {{"name", "simulated rank (" + t.device + ")"}}}});
   for (int s = 0; s < kStreamCount; ++s) events.push_back(row_name(s + 1, stream_name(s)));
+  // Time 0 is the step's first op starting (a prefetch may start before the
+  // previous step's last op ends).
   double origin = INFINITY;
   for (const TimedOp& op : t.ops) {
-    if (op.step == t.step) origin = std::min(origin, op.issue_s);
+    if (op.step == t.step) origin = std::min(origin, op.start_s);
   }
   for (const TimedOp& op : t.ops) {
     if (op.step != t.step) continue;
