@@ -139,76 +139,79 @@ TEST_F(SingleRankTest, SizeOneGroupComputesEveryOp) {
   comm_->barrier().wait();
 }
 
+// The Rejects tests: each refused call throws at issue, before there is a
+// Work to wait for, so its result is dropped with (void).
 TEST_F(SingleRankTest, RejectsAllGatherOutputOfWrongSize) {
-  const std::string message = error_of([&] { comm_->all_gather_into_tensor(at::empty({4}), at::empty({5})); });
+  const std::string message = error_of([&] { (void)comm_->all_gather_into_tensor(at::empty({4}), at::empty({5})); });
   EXPECT_THAT(message, HasSubstr("all_gather_into_tensor on gloo[0]"));
   EXPECT_THAT(message, HasSubstr("`output` has 4 elements, expected size() * input.numel() = 1 * 5 = 5"));
 }
 
 TEST_F(SingleRankTest, RejectsReduceScatterInputOfWrongSize) {
   const std::string message =
-      error_of([&] { comm_->reduce_scatter_tensor(at::empty({5}), at::empty({6}), ReduceOp::sum()); });
+      error_of([&] { (void)comm_->reduce_scatter_tensor(at::empty({5}), at::empty({6}), ReduceOp::sum()); });
   EXPECT_THAT(message, HasSubstr("reduce_scatter_tensor on gloo[0]"));
   EXPECT_THAT(message, HasSubstr("`input` has 6 elements, expected size() * output.numel() = 1 * 5 = 5"));
 }
 
 TEST_F(SingleRankTest, RejectsMismatchedDtypes) {
   const std::string message =
-      error_of([&] { comm_->all_gather_into_tensor(at::empty({4}, at::kFloat), at::empty({4}, at::kBFloat16)); });
+      error_of([&] { (void)comm_->all_gather_into_tensor(at::empty({4}, at::kFloat), at::empty({4}, at::kBFloat16)); });
   EXPECT_THAT(message, HasSubstr("`output` has dtype Float but `input` has dtype BFloat16"));
   EXPECT_THAT(error_of([&] {
-                comm_->reduce_scatter_tensor(at::empty({4}, at::kLong), at::empty({4}, at::kFloat), ReduceOp::sum());
+                (void)comm_->reduce_scatter_tensor(at::empty({4}, at::kLong), at::empty({4}, at::kFloat),
+                                                   ReduceOp::sum());
               }),
               HasSubstr("`output` has dtype Long but `input` has dtype Float"));
 }
 
 TEST_F(SingleRankTest, RejectsNonContiguousTensors) {
   at::Tensor transposed = at::zeros({4, 3}).t();
-  const std::string message = error_of([&] { comm_->all_reduce(transposed, ReduceOp::sum()); });
+  const std::string message = error_of([&] { (void)comm_->all_reduce(transposed, ReduceOp::sum()); });
   EXPECT_THAT(message, HasSubstr("all_reduce on gloo[0]: `tensor` is not contiguous"));
   EXPECT_THAT(message, HasSubstr(".contiguous()"));
-  EXPECT_THAT(error_of([&] { comm_->all_gather_into_tensor(at::empty({12}), transposed); }),
+  EXPECT_THAT(error_of([&] { (void)comm_->all_gather_into_tensor(at::empty({12}), transposed); }),
               HasSubstr("`input` is not contiguous"));
-  EXPECT_THAT(error_of([&] { comm_->broadcast(transposed, 0); }), HasSubstr("`tensor` is not contiguous"));
+  EXPECT_THAT(error_of([&] { (void)comm_->broadcast(transposed, 0); }), HasSubstr("`tensor` is not contiguous"));
 }
 
 TEST_F(SingleRankTest, RejectsTensorsOnAnotherDevice) {
   // A meta tensor has a device type other than the communicator's without a
   // GPU being present; CUDA tensors take the same check.
   at::Tensor meta = at::empty({4}, at::TensorOptions().device(c10::kMeta));
-  const std::string message = error_of([&] { comm_->all_reduce(meta, ReduceOp::sum()); });
+  const std::string message = error_of([&] { (void)comm_->all_reduce(meta, ReduceOp::sum()); });
   EXPECT_THAT(message, HasSubstr("`tensor` is on device meta, expected a cpu tensor"));
-  EXPECT_THAT(error_of([&] { comm_->all_gather_into_tensor(meta, at::empty({4})); }),
+  EXPECT_THAT(error_of([&] { (void)comm_->all_gather_into_tensor(meta, at::empty({4})); }),
               HasSubstr("`output` is on device meta"));
-  EXPECT_THAT(error_of([&] { comm_->reduce_scatter_tensor(at::empty({4}), meta, ReduceOp::sum()); }),
+  EXPECT_THAT(error_of([&] { (void)comm_->reduce_scatter_tensor(at::empty({4}), meta, ReduceOp::sum()); }),
               HasSubstr("`input` is on device meta"));
 }
 
 TEST_F(SingleRankTest, RejectsUndefinedTensors) {
-  EXPECT_THAT(error_of([&] { comm_->all_reduce(at::Tensor(), ReduceOp::sum()); }),
+  EXPECT_THAT(error_of([&] { (void)comm_->all_reduce(at::Tensor(), ReduceOp::sum()); }),
               HasSubstr("`tensor` is an undefined tensor"));
 }
 
 TEST_F(SingleRankTest, RejectsBroadcastRootOutsideTheGroup) {
   at::Tensor t = at::zeros({2});
-  EXPECT_THAT(error_of([&] { comm_->broadcast(t, 1); }), HasSubstr("root 1 is not a group rank"));
-  EXPECT_THAT(error_of([&] { comm_->broadcast(t, -1); }), HasSubstr("root -1 is not a group rank"));
+  EXPECT_THAT(error_of([&] { (void)comm_->broadcast(t, 1); }), HasSubstr("root 1 is not a group rank"));
+  EXPECT_THAT(error_of([&] { (void)comm_->broadcast(t, -1); }), HasSubstr("root -1 is not a group rank"));
 }
 
 TEST_F(SingleRankTest, RejectsScaledReductionsOfIntegers) {
   at::Tensor t = at::zeros({2}, at::kLong);
-  EXPECT_THAT(error_of([&] { comm_->all_reduce(t, ReduceOp::avg()); }),
+  EXPECT_THAT(error_of([&] { (void)comm_->all_reduce(t, ReduceOp::avg()); }),
               HasSubstr("AVG needs a floating-point tensor, got dtype Long"));
-  EXPECT_THAT(error_of([&] { comm_->reduce_scatter_tensor(t, t, ReduceOp::premul_sum(0.5)); }),
+  EXPECT_THAT(error_of([&] { (void)comm_->reduce_scatter_tensor(t, t, ReduceOp::premul_sum(0.5)); }),
               HasSubstr("PREMUL_SUM(0.5) needs a floating-point tensor"));
 }
 
 TEST_F(SingleRankTest, RejectsCoalescedListsThatDoNotPair) {
-  EXPECT_THAT(error_of([&] { comm_->all_gather_into_tensor_coalesced({at::empty({2})}, {}); }),
+  EXPECT_THAT(error_of([&] { (void)comm_->all_gather_into_tensor_coalesced({at::empty({2})}, {}); }),
               HasSubstr("1 outputs but 0 inputs"));
   EXPECT_THAT(error_of([&] {
-                comm_->reduce_scatter_tensor_coalesced({at::empty({2}), at::empty({3})},
-                                                       {at::empty({2}), at::empty({2})}, ReduceOp::sum());
+                (void)comm_->reduce_scatter_tensor_coalesced({at::empty({2}), at::empty({3})},
+                                                             {at::empty({2}), at::empty({2})}, ReduceOp::sum());
               }),
               HasSubstr("`inputs[1]` has 2 elements, expected size() * outputs[1].numel() = 1 * 3 = 3"));
 }
@@ -218,8 +221,8 @@ TEST(CommunicatorTest, SizeChecksUseTheGroupSize) {
   std::vector<std::string> messages(2);
   run_threads(2, [&](int r) {
     auto comm = worlds[r]->new_group({0, 1}, c10::kCPU);
-    // Right for one rank, wrong for two.
-    messages[r] = error_of([&] { comm->all_gather_into_tensor(at::empty({3}), at::empty({3})); });
+    // Right for one rank, wrong for two: refused at issue, no Work to wait for.
+    messages[r] = error_of([&] { (void)comm->all_gather_into_tensor(at::empty({3}), at::empty({3})); });
   });
   EXPECT_THAT(messages[0], HasSubstr("on gloo[0,1]: `output` has 3 elements, expected size() * input.numel() = 2 * 3"));
 }
