@@ -532,6 +532,22 @@ bool maybe_run_as_rank(const DistributedTestOptions& options, const RankBody& bo
 
 // ---- RankContext --------------------------------------------------------------
 
+DistributedTestOptions hsdp_options(int64_t replicas, int64_t shards) {
+  DistributedTestOptions options;
+  options.world_size = static_cast<int>(replicas * shards);
+  options.mesh_shape = {replicas, shards};
+  options.mesh_dim_names = {"replicate", "shard"};
+  return options;
+}
+
+DistributedTestOptions cuda_options(int world_size, collectives::BackendKind backend) {
+  DistributedTestOptions options;
+  options.world_size = world_size;
+  options.device_type = c10::kCUDA;
+  options.communicator.backend = backend;
+  return options;
+}
+
 RankContext::RankContext(std::shared_ptr<collectives::World> world, DistributedTestOptions options)
     : world_(std::move(world)), options_(std::move(options)) {
   TORCH_CHECK(world_ != nullptr, "RankContext: the world is null");
