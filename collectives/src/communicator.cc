@@ -319,6 +319,23 @@ void check_same_dtype(const at::Tensor& a, const char* a_name, const at::Tensor&
               "; both must have the same dtype (convert one with .to(dtype))");
 }
 
+// The rules of an all-gather's or a reduce-scatter's output and input: one
+// dtype, and the larger of the two (the all-gather's output, the
+// reduce-scatter's input) holds `size` times the elements of the other.
+// `advice` ends the message of the size rule.
+void check_output_fits_input(const at::Tensor& output, const std::string& output_name, const at::Tensor& input,
+                             const std::string& input_name, bool output_is_larger, int size, const char* op,
+                             const std::string& name, const char* advice) {
+  check_same_dtype(output, output_name.c_str(), input, input_name.c_str(), op, name);
+  const at::Tensor& large = output_is_larger ? output : input;
+  const at::Tensor& small = output_is_larger ? input : output;
+  const std::string& large_name = output_is_larger ? output_name : input_name;
+  const std::string& small_name = output_is_larger ? input_name : output_name;
+  TORCH_CHECK(large.numel() == size * small.numel(), "fsdp2cpp: ", op, " on ", name, ": `", large_name, "` has ",
+              large.numel(), " elements, expected size() * ", small_name, ".numel() = ", size, " * ", small.numel(),
+              " = ", size * small.numel(), advice);
+}
+
 void check_reducible(const at::Tensor& t, const ReduceOp& op, const char* op_name, const std::string& name) {
   const bool scaled = op.kind() == ReduceOp::Kind::kAvg || op.kind() == ReduceOp::Kind::kPremulSum;
   // An integer average would have to pick a rounding, and backends disagree
@@ -445,10 +462,8 @@ Work Communicator::all_gather_into_tensor(const at::Tensor& output, const at::Te
   constexpr const char* kOp = "all_gather_into_tensor";
   check_tensor(output, kOp, "output");
   check_tensor(input, kOp, "input");
-  check_same_dtype(output, "output", input, "input", kOp, name_);
-  TORCH_CHECK(output.numel() == size() * input.numel(), "fsdp2cpp: ", kOp, " on ", name_, ": `output` has ",
-              output.numel(), " elements, expected size() * input.numel() = ", size(), " * ", input.numel(), " = ",
-              size() * input.numel(), "; allocate the output as group size times the input");
+  check_output_fits_input(output, "output", input, "input", /*output_is_larger=*/true, size(), kOp, name_,
+                          "; allocate the output as group size times the input");
   std::string description = c10::str(kOp, " on ", name_);
   const int64_t record = begin_collective(kOp, "", {input});
   ModelledCollective modelled(*this, {input}, {output}, kOp, monitor_, record);
@@ -462,10 +477,8 @@ Work Communicator::reduce_scatter_tensor(const at::Tensor& output, const at::Ten
   constexpr const char* kOp = "reduce_scatter_tensor";
   check_tensor(output, kOp, "output");
   check_tensor(input, kOp, "input");
-  check_same_dtype(output, "output", input, "input", kOp, name_);
-  TORCH_CHECK(input.numel() == size() * output.numel(), "fsdp2cpp: ", kOp, " on ", name_, ": `input` has ",
-              input.numel(), " elements, expected size() * output.numel() = ", size(), " * ", output.numel(), " = ",
-              size() * output.numel(), "; pad the input to group size times the output");
+  check_output_fits_input(output, "output", input, "input", /*output_is_larger=*/false, size(), kOp, name_,
+                          "; pad the input to group size times the output");
   check_reducible(input, op, kOp, name_);
   const bool native = native_op(op);
   std::string description = c10::str(kOp, "(", op.to_string(), ") on ", name_);
@@ -541,16 +554,9 @@ void Communicator::check_coalesced_pair(const std::vector<at::Tensor>& outputs, 
   const std::string in_name = c10::str("inputs[", i, "]");
   check_tensor(outputs[i], op, out_name.c_str());
   check_tensor(inputs[i], op, in_name.c_str());
-  check_same_dtype(outputs[i], out_name.c_str(), inputs[i], in_name.c_str(), op, name_);
-  const at::Tensor& large = output_is_larger ? outputs[i] : inputs[i];
-  const at::Tensor& small = output_is_larger ? inputs[i] : outputs[i];
-  const std::string& large_name = output_is_larger ? out_name : in_name;
-  const std::string& small_name = output_is_larger ? in_name : out_name;
-  TORCH_CHECK(large.numel() == size() * small.numel(), "fsdp2cpp: ", op, " on ", name_, ": `", large_name, "` has ",
-              large.numel(), " elements, expected size() * ", small_name, ".numel() = ", size(), " * ", small.numel(),
-              " = ", size() * small.numel(),
-              output_is_larger ? "; allocate each output as group size times its input"
-                               : "; pad each input to group size times its output");
+  check_output_fits_input(outputs[i], out_name, inputs[i], in_name, output_is_larger, size(), op, name_,
+                          output_is_larger ? "; allocate each output as group size times its input"
+                                           : "; pad each input to group size times its output");
 }
 
 Work Communicator::all_gather_into_tensor_coalesced(const std::vector<at::Tensor>& outputs,

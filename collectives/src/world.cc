@@ -259,25 +259,32 @@ std::vector<int> World::all_ranks() const {
   return ranks;
 }
 
-std::shared_ptr<Communicator> World::new_group(const std::vector<int>& ranks, c10::DeviceType device_type,
-                                               const CommunicatorOptions& options) {
-  const std::string members = join_ranks(ranks);
-  TORCH_CHECK(!ranks.empty(), "fsdp2cpp: new_group on ", description_, ": the member list is empty");
+namespace {
+
+// new_group's members are distinct ranks of the world, this one among them,
+// on a device type with an engine; returns this rank's rank in the group.
+int check_members(const std::vector<int>& ranks, const std::string& members, c10::DeviceType device_type, int rank,
+                  int size, const std::string& description) {
+  TORCH_CHECK(!ranks.empty(), "fsdp2cpp: new_group on ", description, ": the member list is empty");
   std::set<int> seen;
   for (int r : ranks) {
-    TORCH_CHECK(r >= 0 && r < size_, "fsdp2cpp: new_group([", members, "]) on ", description_, ": rank ", r,
-                " is out of range for world size ", size_, "; members are global ranks in [0, ", size_, ")");
-    TORCH_CHECK(seen.insert(r).second, "fsdp2cpp: new_group([", members, "]) on ", description_, ": rank ", r,
+    TORCH_CHECK(r >= 0 && r < size, "fsdp2cpp: new_group([", members, "]) on ", description, ": rank ", r,
+                " is out of range for world size ", size, "; members are global ranks in [0, ", size, ")");
+    TORCH_CHECK(seen.insert(r).second, "fsdp2cpp: new_group([", members, "]) on ", description, ": rank ", r,
                 " is listed twice; each member must appear once");
   }
-  const auto self = std::find(ranks.begin(), ranks.end(), rank_);
-  TORCH_CHECK(self != ranks.end(), "fsdp2cpp: new_group([", members, "]) on ", description_, ": this rank (", rank_,
+  const auto self = std::find(ranks.begin(), ranks.end(), rank);
+  TORCH_CHECK(self != ranks.end(), "fsdp2cpp: new_group([", members, "]) on ", description, ": this rank (", rank,
               ") is not a member; only the members of a group call new_group for it");
-  const int group_rank = static_cast<int>(self - ranks.begin());
   TORCH_CHECK(device_type == c10::kCPU || device_type == c10::kCUDA, "fsdp2cpp: new_group([", members,
               "]): device type ", c10::DeviceTypeName(device_type, true), " has no collective engine; use cpu or cuda");
+  return static_cast<int>(self - ranks.begin());
+}
 
-  BackendKind kind = options.backend;
+// The engine of a group: the one asked for, or kAuto's (NCCL on CUDA, Gloo
+// on CPU), which this build must have.
+BackendKind backend_kind(BackendKind asked, c10::DeviceType device_type, const std::string& members) {
+  BackendKind kind = asked;
   if (kind == BackendKind::kAuto) kind = device_type == c10::kCUDA ? BackendKind::kNccl : BackendKind::kGloo;
   if (kind == BackendKind::kNccl) {
     TORCH_CHECK(device_type == c10::kCUDA, "fsdp2cpp: new_group([", members,
@@ -287,6 +294,64 @@ std::shared_ptr<Communicator> World::new_group(const std::vector<int>& ranks, c1
                 "]): this build has no NCCL (built without CUDA); rebuild with CUDA, or pass "
                 "CommunicatorOptions::backend = BackendKind::kGloo to move CUDA tensors with Gloo");
   }
+  return kind;
+}
+
+// Where Gloo listens: a network interface, a host address, or "" for gloo's
+// default device (the address the host name resolves to).
+struct GlooDevice {
+  std::string host;
+  bool is_interface = false;
+};
+
+GlooDevice gloo_device(const CommunicatorOptions& options, const std::string& master_addr) {
+  const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
+  if (ifname != nullptr && *ifname != '\0') return {ifname, true};
+  if (!options.gloo_interface.empty()) return {options.gloo_interface, true};
+  // Local runs (and file://): every rank is on this host, and the default
+  // device would resolve the host name, which in containers may not be
+  // reachable.
+  if (is_loopback(master_addr)) return {"127.0.0.1", false};
+  return {};
+}
+
+// "<prefix>0", "<prefix>1", ... one key per member.
+std::vector<std::string> member_keys(const std::string& prefix, size_t members) {
+  std::vector<std::string> keys;
+  for (size_t i = 0; i < members; ++i) keys.push_back(prefix + std::to_string(i));
+  return keys;
+}
+
+// Gloo's full-mesh connect can return on one side of a pair before the
+// other side has finished its handshake; a member that then destroys the
+// group at once (an error, a group never used, a short program) closes the
+// socket under its peer, which fails with "Connection closed by peer". So
+// no member leaves new_group until every member's engine is up.
+void wait_for_group_members(const c10::intrusive_ptr<c10d::Store>& group_store, const std::vector<int>& ranks,
+                            int group_rank, std::chrono::milliseconds timeout, const std::string& name,
+                            const std::string& description, int rank) {
+  const std::string ready_prefix = "ready/";
+  group_store->set(ready_prefix + std::to_string(group_rank), std::vector<uint8_t>{1});
+  const std::vector<std::string> ready_keys = member_keys(ready_prefix, ranks.size());
+  try {
+    group_store->wait(ready_keys, timeout);
+  } catch (const std::exception& e) {
+    const std::vector<int> missing = missing_of(group_store, ready_keys, ranks);
+    TORCH_CHECK(false, "fsdp2cpp: new_group: creating ", name, " on ", description, " failed on rank ", rank,
+                missing.empty() ? std::string()
+                                : c10::str(": member rank(s) [", join_ranks(missing),
+                                           "] did not finish connecting within ", timeout.count(), " ms"),
+                ": ", cause_of(e));
+  }
+}
+
+}  // namespace
+
+std::shared_ptr<Communicator> World::new_group(const std::vector<int>& ranks, c10::DeviceType device_type,
+                                               const CommunicatorOptions& options) {
+  const std::string members = join_ranks(ranks);
+  const int group_rank = check_members(ranks, members, device_type, rank_, size_, description_);
+  const BackendKind kind = backend_kind(options.backend, device_type, members);
 
   int index = 0;
   {
@@ -306,53 +371,19 @@ std::shared_ptr<Communicator> World::new_group(const std::vector<int>& ranks, c1
     if (kind == BackendKind::kNccl) {
       backend = detail::make_nccl_backend(group_store, group_rank, static_cast<int>(ranks.size()), options.timeout);
     } else {
-      std::string host;
-      bool is_interface = false;
-      const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
-      if (ifname != nullptr && *ifname != '\0') {
-        host = ifname;
-        is_interface = true;
-      } else if (!options.gloo_interface.empty()) {
-        host = options.gloo_interface;
-        is_interface = true;
-      } else if (is_loopback(master_addr_)) {
-        // Local runs (and file://): every rank is on this host, and the
-        // default device would resolve the host name, which in containers
-        // may not be reachable.
-        host = "127.0.0.1";
-      }  // else: gloo's default device (the address the host name resolves to)
+      const GlooDevice device = gloo_device(options, master_addr_);
       backend = detail::make_gloo_backend(group_store, group_rank, static_cast<int>(ranks.size()), options.timeout,
-                                          host, is_interface);
+                                          device.host, device.is_interface);
     }
   } catch (const std::exception& e) {
-    std::vector<std::string> keys;
-    for (size_t i = 0; i < ranks.size(); ++i) keys.push_back(joined_prefix + std::to_string(i));
-    const std::vector<int> missing = missing_of(group_store, keys, ranks);
+    const std::vector<int> missing = missing_of(group_store, member_keys(joined_prefix, ranks.size()), ranks);
     TORCH_CHECK(false, "fsdp2cpp: new_group: creating ", name, " on ", description_, " failed on rank ", rank_,
                 missing.empty()
                     ? std::string()
                     : c10::str(" (member rank(s) [", join_ranks(missing), "] never called new_group for it)"),
                 ": ", cause_of(e));
   }
-  // Gloo's full-mesh connect can return on one side of a pair before the
-  // other side has finished its handshake; a member that then destroys the
-  // group at once (an error, a group never used, a short program) closes the
-  // socket under its peer, which fails with "Connection closed by peer". So
-  // no member leaves new_group until every member's engine is up.
-  const std::string ready_prefix = "ready/";
-  group_store->set(ready_prefix + std::to_string(group_rank), std::vector<uint8_t>{1});
-  std::vector<std::string> ready_keys;
-  for (size_t i = 0; i < ranks.size(); ++i) ready_keys.push_back(ready_prefix + std::to_string(i));
-  try {
-    group_store->wait(ready_keys, options.timeout);
-  } catch (const std::exception& e) {
-    const std::vector<int> missing = missing_of(group_store, ready_keys, ranks);
-    TORCH_CHECK(false, "fsdp2cpp: new_group: creating ", name, " on ", description_, " failed on rank ", rank_,
-                missing.empty() ? std::string()
-                                : c10::str(": member rank(s) [", join_ranks(missing),
-                                           "] did not finish connecting within ", options.timeout.count(), " ms"),
-                ": ", cause_of(e));
-  }
+  wait_for_group_members(group_store, ranks, group_rank, options.timeout, name, description_, rank_);
   FSDP2CPP_LOG_DEBUG(c10::str("new_group ", name, " (#", index, " over these ranks), group rank ", group_rank));
   return std::make_shared<Communicator>(std::move(backend), kind, device_type, group_rank, ranks, options, monitor_,
                                         c10::str(name, "#", index));

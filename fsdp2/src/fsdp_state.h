@@ -1,11 +1,14 @@
 // Internal: FSDPState, the runtime of one fully_shard'ed module (FSDP2's
 // FSDPState): its forward hooks, the root's lazy init and pre-forward, the
-// pre-backward hooks on outputs and the end-of-backward callback.
+// pre-backward hooks on outputs and the end-of-backward callback
+// (fsdp_state.cc), and the checks that name a misuse where it happens
+// (fsdp_state_diagnostics.cc).
 #pragma once
 
 #include <memory>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <unordered_set>
 #include <utility>
 #include <vector>
@@ -108,7 +111,8 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   void group_post_forward(const torch::nn::Module& module, TensorRefs& outputs);
   // Forward error hook (inside the handler): when this state started the
   // iteration's forward and a sharded module was called around its hooks,
-  // throws the runtime's explanation with the original error in it.
+  // throws the runtime's explanation with the original error in it
+  // (fsdp_state_diagnostics.cc).
   void explain_forward_error() const;
 
   // Makes this state the root of its subtree and initializes every state in
@@ -137,16 +141,30 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   void reset_iter_state();
 
  private:
+  // Lazy init: every state under this root joins its context, named by its
+  // FQN; returns the FQN of every module under the root that has a state.
+  std::unordered_map<const torch::nn::Module*, std::string> collect_states();
+  // Lazy init: names every parameter by its FQN from the root and
+  // initializes every group under the root.
+  void init_groups(const std::unordered_map<const torch::nn::Module*, std::string>& module_fqns);
   void root_pre_forward(TensorRefs& inputs);
-  // Lazy init: throws on every rank, naming the first difference, when the
-  // ranks' models or fully_shard groups differ ([Note: the model
-  // fingerprint]).
-  void check_ranks_hold_the_same_model() const;
   // Whether a group under this root takes the world size 1 fast path.
   bool any_group_on_fast_path() const;
   void register_pre_backward_hooks(TensorRefs& outputs);
   void register_final_callback();
   void root_post_backward_final_callback();
+  // End of the root's forward: the post-forward of every group whose modules
+  // did not all run.
+  void complete_group_forwards();
+
+  // Misuse diagnostics (fsdp_state_diagnostics.cc).
+  // Lazy init: throws when this state cannot be the root (it has a parent
+  // whose forward ran around its hooks, or it is a group of several modules).
+  void check_can_be_root();
+  // Lazy init: throws on every rank, naming the first difference, when the
+  // ranks' models or fully_shard groups differ ([Note: the model
+  // fingerprint]).
+  void check_ranks_hold_the_same_model() const;
   void check_no_call_around_hooks() const;
   // A non-root state starts this forward: throws when the root's forward ran
   // around its hooks and used the root's parameters while sharded. See
@@ -159,14 +177,12 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   // Start of backward: warns once per process when the forwards since the
   // last backward ran several roots (fully_shard forgotten on the model).
   static void warn_if_several_roots();
-  // End of the root's forward: the post-forward of every group whose modules
-  // did not all run.
-  void complete_group_forwards();
   // The message that explains a sharded module called around its hooks:
   // for the first sharded parameter autograd used at its sharded shape, else
   // (given the message of the error a forward raised) for the first one
   // whose sharded shape that message shows; empty when none.
   std::string call_around_hooks_message(const std::string* error) const;
+
   // Whether it issued an all-gather (none when the target is unsharded or
   // has one pending).
   static bool prefetch_unshard(FSDPParamGroup* target, TrainingState state);

@@ -207,16 +207,20 @@ bool same_groups(const DeviceMesh& a, const DeviceMesh& b) {
 namespace detail {
 namespace {
 
-// fully_shard of one module or of a group of several.
-FSDPModule shard_modules(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
-                         const FullyShardOptions& options) {
-  const std::shared_ptr<torch::nn::Module>& module = modules.front();
-  std::string name = detail::describe(*module);
+// The name messages give the call's modules: the module's own, or
+// "[a, b, ...]" for a group.
+std::string name_of(const std::vector<std::shared_ptr<torch::nn::Module>>& modules) {
+  std::string name = detail::describe(*modules.front());
   if (modules.size() > 1) {
     name = "[" + name;
     for (size_t i = 1; i < modules.size(); ++i) name += ", " + detail::describe(*modules[i]);
     name += "]";
   }
+  return name;
+}
+
+// fully_shard applies once per module.
+void check_not_sharded(const std::vector<std::shared_ptr<torch::nn::Module>>& modules) {
   for (const auto& m : modules) {
     if (!detail::state_of(*m)) continue;
     const std::string fqn = detail::fqn_in_sharded_roots(*m);
@@ -226,64 +230,82 @@ FSDPModule shard_modules(const std::vector<std::shared_ptr<torch::nn::Module>>& 
                 modules.size() > 1 ? c10::str(" (modules[", &m - modules.data(), "] of the list)") : "",
                 "; apply it once per module: to each block, then once to the root");
   }
-  const auto& mp = options.mp_policy;
+}
+
+void check_mp_policy(const MixedPrecisionPolicy& mp, const std::string& name) {
   TORCH_CHECK(!mp.param_dtype || c10::isFloatingType(*mp.param_dtype), "fully_shard: module '", name,
               "': MixedPrecisionPolicy::param_dtype must be a floating-point type, got ", *mp.param_dtype);
   TORCH_CHECK(!mp.reduce_dtype || c10::isFloatingType(*mp.reduce_dtype), "fully_shard: module '", name,
               "': MixedPrecisionPolicy::reduce_dtype must be a floating-point type, got ", *mp.reduce_dtype);
+}
 
-  auto children = detail::descendant_states(modules);
-  const std::vector<detail::NamedParam> named_params = detail::named_params_of(modules);
-  std::optional<DeviceMesh> mesh = options.mesh;
-  if (!mesh && !children.empty()) mesh = children.front()->mesh();
-  if (!mesh) {
-    TORCH_CHECK(options.world, "fully_shard: module '", name,
-                "': no mesh. Set FullyShardOptions::mesh (fsdp::init_device_mesh) or FullyShardOptions::world");
-    c10::DeviceType type = c10::kCPU;
-    for (const auto& item : named_params) {
-      if (const at::Tensor& p = item.value(); p.defined()) {
-        type = p.device().type();
-        break;
-      }
+// The call's mesh: FullyShardOptions::mesh, else a sharded submodule's, else
+// one over the whole world on the parameters' device type.
+DeviceMesh mesh_of_call(const FullyShardOptions& options, const std::vector<std::shared_ptr<FSDPState>>& children,
+                        const std::vector<detail::NamedParam>& named_params, const std::string& name) {
+  if (options.mesh) return *options.mesh;
+  if (!children.empty()) return children.front()->mesh();
+  TORCH_CHECK(options.world, "fully_shard: module '", name,
+              "': no mesh. Set FullyShardOptions::mesh (fsdp::init_device_mesh) or FullyShardOptions::world");
+  c10::DeviceType type = c10::kCPU;
+  for (const auto& item : named_params) {
+    if (const at::Tensor& p = item.value(); p.defined()) {
+      type = p.device().type();
+      break;
     }
-    // One group for every module sharded this way, not one per call.
-    auto group = options.world->shared_group(options.world->all_ranks(), type);
-    mesh = DeviceMesh::from_communicators(options.world, at::arange(options.world->size(), at::kLong), {group});
   }
-  detail::check_mesh(*mesh, name);
-  const c10::Device device = detail::mesh_device(*mesh);
-  const bool offload = options.offload_policy.offload_to_cpu;
+  // One group for every module sharded this way, not one per call.
+  auto group = options.world->shared_group(options.world->all_ranks(), type);
+  return DeviceMesh::from_communicators(options.world, at::arange(options.world->size(), at::kLong), {group});
+}
+
+void check_offload(const FullyShardOptions& options, const DeviceMesh& mesh, const c10::Device& device,
+                   const torch::nn::Module& module, const std::string& name) {
   // The stream-order checker models a device on CPU, offload included
   // ([Note: offload on the modelled device], host_memory.h).
-  if (offload && device.type() == c10::kCPU && !stream_check::active()) {
-    const std::string fqn = detail::fqn_in_sharded_roots(*module);
-    TORCH_CHECK(false, "fully_shard: module ", fqn.empty() ? "" : "'" + fqn + "' ", "(", name,
-                "): OffloadPolicy::offload_to_cpu needs a CUDA mesh, but the mesh ", mesh->to_string(), " is on CPU",
-                options.mesh ? ""
-                             : " (FullyShardOptions::mesh is unset: the default mesh follows the "
-                               "parameters' device)",
-                ", where the sharded parameters already live in host memory. Pass a CUDA mesh "
-                "(fsdp::init_device_mesh(world, c10::kCUDA, ...)) to offload, or leave offload_to_cpu false (under "
-                "the stream-order checker, FSDP2CPP_STREAM_CHECK=1, offload runs on CPU to check its order).");
-  }
+  if (!options.offload_policy.offload_to_cpu || device.type() != c10::kCPU || stream_check::active()) return;
+  const std::string fqn = detail::fqn_in_sharded_roots(module);
+  TORCH_CHECK(false, "fully_shard: module ", fqn.empty() ? "" : "'" + fqn + "' ", "(", name,
+              "): OffloadPolicy::offload_to_cpu needs a CUDA mesh, but the mesh ", mesh.to_string(), " is on CPU",
+              options.mesh ? ""
+                           : " (FullyShardOptions::mesh is unset: the default mesh follows the "
+                             "parameters' device)",
+              ", where the sharded parameters already live in host memory. Pass a CUDA mesh "
+              "(fsdp::init_device_mesh(world, c10::kCUDA, ...)) to offload, or leave offload_to_cpu false (under "
+              "the stream-order checker, FSDP2CPP_STREAM_CHECK=1, offload runs on CPU to check its order).");
+}
 
-  // Parameters already managed by sharded submodules stay theirs; ignored
-  // ones are left to the user.
-  std::unordered_set<const c10::TensorImpl*> ignored;
+using TensorImplSet = std::unordered_set<const c10::TensorImpl*>;
+
+// The parameters the user leaves unsharded.
+TensorImplSet ignored_params_of(const FullyShardOptions& options, const std::string& name) {
+  TensorImplSet ignored;
   for (const auto& p : options.ignored_params) {
     TORCH_CHECK(p.defined(), "fully_shard: module '", name,
                 "': FullyShardOptions::ignored_params has an undefined "
                 "tensor; pass the module's parameters to leave unsharded");
     ignored.insert(p.unsafeGetTensorImpl());
   }
-  std::unordered_set<const c10::TensorImpl*> managed;
+  return ignored;
+}
+
+// The parameters sharded submodules manage already: they stay theirs.
+TensorImplSet managed_params_of(const std::vector<std::shared_ptr<FSDPState>>& children) {
+  TensorImplSet managed;
   for (const auto& child : children) {
     for (const auto& g : child->groups()) {
       for (const auto& p : g->params()) managed.insert(p->param().unsafeGetTensorImpl());
     }
   }
-  // ... and a parameter managed by an enclosing module means the order was
-  // wrong (root before children).
+  return managed;
+}
+
+// Every parameter is defined, and none is managed by a state other than the
+// call's submodules': one managed by an enclosing module means the order was
+// wrong (root before children), one managed by another module is tied.
+void check_params_unclaimed(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
+                            const std::vector<detail::NamedParam>& named_params, const TensorImplSet& managed,
+                            const TensorImplSet& ignored, const std::string& name) {
   for (const auto& item : named_params) {
     const at::Tensor& p = item.value();
     TORCH_CHECK(p.defined(), "fully_shard: parameter '", item.key(), "' of module '", name,
@@ -311,46 +333,64 @@ FSDPModule shard_modules(const std::vector<std::shared_ptr<torch::nn::Module>>& 
       }
     }
   }
+}
 
-  // [Note: per-parameter meshes] shard_placement_fn may put a parameter on
-  // another mesh (FSDP2's ShardPlacementResult): the call's parameters are
-  // grouped by mesh, one FSDPParamGroup per distinct (shard, replicate)
-  // process-group pair, in the order the meshes first appear (the call's
-  // mesh's group first when it has parameters). The state runs every
-  // group's hooks in that order.
-  struct PendingGroup {
-    DeviceMesh mesh;
-    std::vector<at::Tensor> params;
-    std::vector<std::string> names;
-    std::vector<std::pair<size_t, std::string>> owners;
-    std::vector<int64_t> shard_dims;
-  };
+// A parameter the call shards: no gradient yet, on the mesh's device, of a
+// dtype the mixed-precision policy can cast.
+void check_param(const detail::NamedParam& item, const c10::Device& device, const FullyShardOptions& options,
+                 const std::string& name) {
+  const at::Tensor& p = item.value();
+  const bool offload = options.offload_policy.offload_to_cpu;
+  // An optimizer that stepped before sharding leaves full-shape gradients
+  // (and state) that no longer match the sharded parameter.
+  TORCH_CHECK(!p.grad().defined(), "fully_shard: parameter '", item.key(), "' of module '", name,
+              "' already has a gradient (shape ", p.grad().sizes(),
+              "): a backward or an optimizer step ran before fully_shard. Shard first: apply fully_shard before "
+              "any backward, then build the optimizer over the sharded parameters (an optimizer built or "
+              "stepped before keeps state of the unsharded shape). To keep the model, call "
+              "optimizer.zero_grad() (or reset each parameter's grad) before fully_shard.");
+  // With CPU offload the shards go to the host anyway, so a model built on
+  // the CPU (too large for the device) is sharded from there.
+  const bool on_mesh_device =
+      p.device().type() == device.type() && (device.type() == c10::kCPU || p.device() == device);
+  TORCH_CHECK(on_mesh_device || (offload && p.device().is_cpu()), "fully_shard: parameter '", item.key(),
+              "' of module '", name, "' is on ", p.device(), " but the mesh's device is ", device,
+              "; move the module to ", device, offload ? " (or to the CPU: offload_to_cpu is set)" : "",
+              " before sharding");
+  TORCH_CHECK(!options.mp_policy.param_dtype || p.is_floating_point(), "fully_shard: module '", name, "': parameter '",
+              item.key(), "' is ", p.scalar_type(),
+              "; a MixedPrecisionPolicy::param_dtype needs floating-point parameters");
+}
+
+// [Note: per-parameter meshes] shard_placement_fn may put a parameter on
+// another mesh (FSDP2's ShardPlacementResult): the call's parameters are
+// grouped by mesh, one FSDPParamGroup per distinct (shard, replicate)
+// process-group pair, in the order the meshes first appear (the call's
+// mesh's group first when it has parameters). The state runs every
+// group's hooks in that order.
+struct PendingGroup {
+  DeviceMesh mesh;
+  std::vector<at::Tensor> params;
+  std::vector<std::string> names;
+  std::vector<std::pair<size_t, std::string>> owners;
+  std::vector<int64_t> shard_dims;
+};
+
+// The parameters the call shards (not managed, not ignored, tied ones once),
+// checked and grouped by mesh.
+std::vector<PendingGroup> group_by_mesh(const std::vector<detail::NamedParam>& named_params,
+                                        const TensorImplSet& managed, const TensorImplSet& ignored,
+                                        const FullyShardOptions& options, const DeviceMesh& mesh,
+                                        const c10::Device& device, const std::string& name) {
   std::vector<PendingGroup> pending;
-  std::unordered_set<const c10::TensorImpl*> seen;
+  TensorImplSet seen;
   std::optional<c10::ScalarType> first_dtype;
   std::string first_name;
   for (const auto& item : named_params) {
     const at::Tensor& p = item.value();
     const auto* impl = p.unsafeGetTensorImpl();
     if (managed.count(impl) || ignored.count(impl) || !seen.insert(impl).second) continue;  // tied: once
-    // An optimizer that stepped before sharding leaves full-shape gradients
-    // (and state) that no longer match the sharded parameter.
-    TORCH_CHECK(!p.grad().defined(), "fully_shard: parameter '", item.key(), "' of module '", name,
-                "' already has a gradient (shape ", p.grad().sizes(),
-                "): a backward or an optimizer step ran before fully_shard. Shard first: apply fully_shard before "
-                "any backward, then build the optimizer over the sharded parameters (an optimizer built or "
-                "stepped before keeps state of the unsharded shape). To keep the model, call "
-                "optimizer.zero_grad() (or reset each parameter's grad) before fully_shard.");
-    // With CPU offload the shards go to the host anyway, so a model built on
-    // the CPU (too large for the device) is sharded from there.
-    const bool on_mesh_device =
-        p.device().type() == device.type() && (device.type() == c10::kCPU || p.device() == device);
-    TORCH_CHECK(on_mesh_device || (offload && p.device().is_cpu()), "fully_shard: parameter '", item.key(),
-                "' of module '", name, "' is on ", p.device(), " but the mesh's device is ", device,
-                "; move the module to ", device, offload ? " (or to the CPU: offload_to_cpu is set)" : "",
-                " before sharding");
-    TORCH_CHECK(!mp.param_dtype || p.is_floating_point(), "fully_shard: module '", name, "': parameter '", item.key(),
-                "' is ", p.scalar_type(), "; a MixedPrecisionPolicy::param_dtype needs floating-point parameters");
+    check_param(item, device, options, name);
     if (first_dtype) {
       TORCH_CHECK(p.scalar_type() == *first_dtype, "fully_shard: module '", name,
                   "' mixes dtypes in one group: parameter '", first_name, "' is ", *first_dtype, " but '", item.key(),
@@ -360,8 +400,8 @@ FSDPModule shard_modules(const std::vector<std::shared_ptr<torch::nn::Module>>& 
       first_dtype = p.scalar_type();
       first_name = item.key();
     }
-    ResolvedPlacement placement = detail::resolve_shard_placement(options, p, item.key(), name, *mesh);
-    const DeviceMesh& param_mesh = placement.mesh ? *placement.mesh : *mesh;
+    ResolvedPlacement placement = detail::resolve_shard_placement(options, p, item.key(), name, mesh);
+    const DeviceMesh& param_mesh = placement.mesh ? *placement.mesh : mesh;
     PendingGroup* target = nullptr;
     for (auto& g : pending) {
       if (detail::same_groups(g.mesh, param_mesh)) target = &g;
@@ -372,25 +412,40 @@ FSDPModule shard_modules(const std::vector<std::shared_ptr<torch::nn::Module>>& 
     target->owners.emplace_back(item.owner, item.relative_name);
     target->shard_dims.push_back(placement.dim);
   }
+  return pending;
+}
 
+// The state of the call: one FSDPParamGroup per pending group, and the
+// parent of every sharded submodule that has none yet.
+std::shared_ptr<FSDPState> make_state(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
+                                      std::vector<PendingGroup> pending,
+                                      const std::vector<std::shared_ptr<FSDPState>>& children,
+                                      const FullyShardOptions& options, const DeviceMesh& mesh,
+                                      const c10::Device& device, const std::string& name) {
   std::vector<std::unique_ptr<detail::FSDPParamGroup>> groups;
   std::vector<std::vector<std::pair<size_t, std::string>>> owners;
   for (auto& g : pending) {
     std::shared_ptr<collectives::Communicator> post_forward_comm =
         detail::post_forward_group(g.mesh, options.reshard_after_forward, name);
     groups.push_back(std::make_unique<detail::FSDPParamGroup>(std::move(g.params), std::move(g.names), g.mesh, device,
-                                                              mp, std::move(post_forward_comm), options.offload_policy,
-                                                              g.shard_dims));
+                                                              options.mp_policy, std::move(post_forward_comm),
+                                                              options.offload_policy, g.shard_dims));
     owners.push_back(std::move(g.owners));
   }
-  auto state =
-      std::make_shared<FSDPState>(modules, *mesh, device, std::move(groups), options.reshard_after_forward, mp);
+  auto state = std::make_shared<FSDPState>(modules, mesh, device, std::move(groups), options.reshard_after_forward,
+                                           options.mp_policy);
   if (modules.size() > 1) state->set_param_owners(std::move(owners));
   for (const auto& child : children) {
     if (!child->parent()) child->set_parent(state);
   }
+  return state;
+}
+
+// The module-call hooks that run the state, and the side table entries that
+// own it (the hooks hold it weakly).
+void attach_state(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
+                  const std::shared_ptr<FSDPState>& state) {
   std::weak_ptr<FSDPState> weak = state;
-  // The hooks hold the state weakly; the side table entries own it.
   for (const auto& m : modules) {
     if (modules.size() == 1) {
       register_forward_pre_hook(*m, [weak](torch::nn::Module&, TensorRefs& inputs) {
@@ -412,6 +467,26 @@ FSDPModule shard_modules(const std::vector<std::shared_ptr<torch::nn::Module>>& 
     });
     detail::set_module_state(*m, detail::kStateKey, state);
   }
+}
+
+// fully_shard of one module or of a group of several.
+FSDPModule shard_modules(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
+                         const FullyShardOptions& options) {
+  const std::string name = name_of(modules);
+  check_not_sharded(modules);
+  check_mp_policy(options.mp_policy, name);
+  const std::vector<std::shared_ptr<FSDPState>> children = detail::descendant_states(modules);
+  const std::vector<detail::NamedParam> named_params = detail::named_params_of(modules);
+  const DeviceMesh mesh = mesh_of_call(options, children, named_params, name);
+  detail::check_mesh(mesh, name);
+  const c10::Device device = detail::mesh_device(mesh);
+  check_offload(options, mesh, device, *modules.front(), name);
+  const TensorImplSet ignored = ignored_params_of(options, name);
+  const TensorImplSet managed = managed_params_of(children);
+  check_params_unclaimed(modules, named_params, managed, ignored, name);
+  std::vector<PendingGroup> pending = group_by_mesh(named_params, managed, ignored, options, mesh, device, name);
+  auto state = make_state(modules, std::move(pending), children, options, mesh, device, name);
+  attach_state(modules, state);
   return FSDPModule(state);
 }
 

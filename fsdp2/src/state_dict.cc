@@ -777,6 +777,114 @@ OptimizerStateDict get_optimizer_state_dict(torch::nn::Module& model, torch::opt
   return result;
 }
 
+namespace {
+
+// Param groups: each saved group names the FQNs of one of ours. Returns, for
+// each of the optimizer's `num_groups` param groups, the saved group that
+// names its parameters (null when none does), pointing into `saved`; adds the
+// FQNs no parameter has, and the parameters no saved group names, to
+// `result`.
+std::vector<const ParamGroupState*> match_param_groups(const std::vector<ParamGroupState>& saved,
+                                                       const std::vector<OptimParam>& params,
+                                                       const std::unordered_map<std::string, size_t>& index_by_fqn,
+                                                       size_t num_groups, IncompatibleKeys& result, const char* what) {
+  std::vector<const ParamGroupState*> saved_for_group(num_groups, nullptr);
+  std::vector<bool> covered(params.size(), false);
+  for (const auto& sg : saved) {
+    std::optional<size_t> target;
+    for (const auto& fqn : sg.params) {
+      auto it = index_by_fqn.find(fqn);
+      if (it == index_by_fqn.end()) {
+        result.unexpected_keys.push_back("param_groups." + fqn);
+        continue;
+      }
+      const size_t g = params[it->second].group;
+      TORCH_CHECK(!target || *target == g, what, ": a saved param group holds '", fqn,
+                  "', which is in the optimizer's param group ", g, ", and parameters of param group ", *target,
+                  "; build the optimizer with the same grouping as the saved one");
+      target = g;
+      covered[it->second] = true;
+    }
+    if (target) saved_for_group[*target] = &sg;
+  }
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!covered[i] && !saved.empty()) result.missing_keys.push_back("param_groups." + params[i].fqn);
+  }
+  return saved_for_group;
+}
+
+// The indices (into the parameters) of the parameters with any key in
+// `incoming`: they get every tensor of their kind.
+std::unordered_set<size_t> params_with_state(const std::vector<KeyInfo>& incoming,
+                                             const std::unordered_map<std::string, size_t>& index_by_fqn) {
+  std::unordered_set<size_t> with_state;
+  for (const auto& info : incoming) {
+    const size_t dot = info.key.rfind('.');
+    if (info.key.rfind("state.", 0) != 0 || dot == std::string::npos || dot <= 6) continue;
+    auto it = index_by_fqn.find(info.key.substr(6, dot - 6));
+    if (it != index_by_fqn.end()) with_state.insert(it->second);
+  }
+  return with_state;
+}
+
+// The keys to load, each parameter's with a step first, and in `shapes` the
+// state each parameter has after loading: it follows the loaded
+// hyperparameters (amsgrad, momentum).
+std::vector<Target> state_targets(OptimKind kind, const torch::optim::Optimizer& optimizer,
+                                  const std::vector<OptimParam>& params,
+                                  const std::vector<const ParamGroupState*>& saved_for_group,
+                                  const std::unordered_set<size_t>& with_state, std::vector<StateShape>& shapes,
+                                  const char* what) {
+  std::vector<Target> targets;
+  shapes.assign(params.size(), StateShape{});
+  for (size_t i = 0; i < params.size(); ++i) {
+    const OptimParam& p = params[i];
+    auto options_copy = optimizer.param_groups()[p.group].options().clone();
+    if (saved_for_group[p.group]) apply_group_state(kind, *options_copy, *saved_for_group[p.group], what);
+    shapes[i] = state_shape(kind, *options_copy);
+    if (!with_state.count(i)) continue;
+    const std::string prefix = "state." + p.fqn + ".";
+    if (has_step(kind)) targets.push_back({prefix + "step", at::Tensor(), Slot{}, {}, at::kFloat});
+    for (const auto& name : tensor_names(kind, shapes[i])) {
+      targets.push_back({prefix + name, at::Tensor(), p.slot, global_shape(p), param_dtype(p)});
+    }
+  }
+  return targets;
+}
+
+// Points each target at the optimizer state it fills, creating the state;
+// drops the state of the parameters without saved state (as
+// Optimizer.load_state_dict: they have none after loading). Returns the
+// steps, each a scalar tensor to load and the counter it sets.
+std::vector<std::pair<at::Tensor, int64_t*>> bind_state_targets(OptimKind kind, torch::optim::Optimizer& optimizer,
+                                                                const std::vector<OptimParam>& params,
+                                                                const std::vector<StateShape>& shapes,
+                                                                const std::unordered_set<size_t>& with_state,
+                                                                std::vector<Target>& targets) {
+  std::vector<std::pair<at::Tensor, int64_t*>> steps;
+  size_t next = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const OptimParam& p = params[i];
+    if (!with_state.count(i)) {
+      optimizer.state().erase(p.param.unsafeGetTensorImpl());
+      continue;
+    }
+    std::vector<at::Tensor*> tensors;
+    int64_t* step = nullptr;
+    param_state(kind, optimizer, p, shapes[i], /*create=*/true, &tensors, &step);
+    if (step) {
+      targets[next].dest = at::empty({}, at::kFloat);
+      steps.emplace_back(targets[next].dest, step);
+      ++next;
+    }
+    for (at::Tensor* t : tensors) targets[next++].dest = *t;
+  }
+  TORCH_INTERNAL_ASSERT(next == targets.size());
+  return steps;
+}
+
+}  // namespace
+
 IncompatibleKeys set_optimizer_state_dict(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
                                           const OptimizerStateDict& state_dict, const StateDictOptions& options) {
   const collectives::CollectiveLabel label("FSDP::set_optimizer_state_dict");
@@ -799,58 +907,15 @@ IncompatibleKeys set_optimizer_state_dict(torch::nn::Module& model, torch::optim
   const std::vector<KeyInfo> incoming = header ? header->keys : describe(state_dict.state);
   const std::string& groups_json = header ? header->extra : state_dict.param_groups;
 
-  // Param groups: each saved group names the FQNs of one of ours.
   IncompatibleKeys result;
-  const auto& groups = optimizer.param_groups();
-  std::vector<const ParamGroupState*> saved_for_group(groups.size(), nullptr);
+  const size_t num_groups = optimizer.param_groups().size();
   std::vector<ParamGroupState> saved;
   if (!groups_json.empty()) saved = parse_param_groups(groups_json);
-  std::vector<bool> covered(params.size(), false);
-  for (const auto& sg : saved) {
-    std::optional<size_t> target;
-    for (const auto& fqn : sg.params) {
-      auto it = index_by_fqn.find(fqn);
-      if (it == index_by_fqn.end()) {
-        result.unexpected_keys.push_back("param_groups." + fqn);
-        continue;
-      }
-      const size_t g = params[it->second].group;
-      TORCH_CHECK(!target || *target == g, kWhat, ": a saved param group holds '", fqn,
-                  "', which is in the optimizer's param group ", g, ", and parameters of param group ", *target,
-                  "; build the optimizer with the same grouping as the saved one");
-      target = g;
-      covered[it->second] = true;
-    }
-    if (target) saved_for_group[*target] = &sg;
-  }
-  for (size_t i = 0; i < params.size(); ++i) {
-    if (!covered[i] && !saved.empty()) result.missing_keys.push_back("param_groups." + params[i].fqn);
-  }
-
-  // State: the parameters with any key get every tensor of their kind.
-  std::unordered_set<size_t> with_state;
-  for (const auto& info : incoming) {
-    const size_t dot = info.key.rfind('.');
-    if (info.key.rfind("state.", 0) != 0 || dot == std::string::npos || dot <= 6) continue;
-    auto it = index_by_fqn.find(info.key.substr(6, dot - 6));
-    if (it != index_by_fqn.end()) with_state.insert(it->second);
-  }
-  std::vector<Target> targets;
-  std::vector<StateShape> shapes(params.size());
-  for (size_t i = 0; i < params.size(); ++i) {
-    const OptimParam& p = params[i];
-    // The state after loading follows the loaded hyperparameters (amsgrad,
-    // momentum).
-    auto options_copy = groups[p.group].options().clone();
-    if (saved_for_group[p.group]) apply_group_state(kind, *options_copy, *saved_for_group[p.group], kWhat);
-    shapes[i] = state_shape(kind, *options_copy);
-    if (!with_state.count(i)) continue;
-    const std::string prefix = "state." + p.fqn + ".";
-    if (has_step(kind)) targets.push_back({prefix + "step", at::Tensor(), Slot{}, {}, at::kFloat});
-    for (const auto& name : tensor_names(kind, shapes[i])) {
-      targets.push_back({prefix + name, at::Tensor(), p.slot, global_shape(p), param_dtype(p)});
-    }
-  }
+  const std::vector<const ParamGroupState*> saved_for_group =
+      match_param_groups(saved, params, index_by_fqn, num_groups, result, kWhat);
+  const std::unordered_set<size_t> with_state = params_with_state(incoming, index_by_fqn);
+  std::vector<StateShape> shapes;
+  std::vector<Target> targets = state_targets(kind, optimizer, params, saved_for_group, with_state, shapes, kWhat);
   const bool strict = options.strict;
   IncompatibleKeys keys = check_keys(targets, incoming, /*missing_is_error=*/true, strict, kWhat,
                                      "a parameter's state must be complete (all of it or none)");
@@ -861,32 +926,13 @@ IncompatibleKeys set_optimizer_state_dict(torch::nn::Module& model, torch::optim
   result.unexpected_keys.insert(result.unexpected_keys.end(), keys.unexpected_keys.begin(), keys.unexpected_keys.end());
 
   // Everything checked: apply.
-  for (size_t g = 0; g < groups.size(); ++g) {
+  for (size_t g = 0; g < num_groups; ++g) {
     if (saved_for_group[g]) apply_group_state(kind, optimizer.param_groups()[g].options(), *saved_for_group[g], kWhat);
   }
-  std::vector<std::pair<at::Tensor, int64_t*>> steps;
-  size_t next = 0;
-  for (size_t i = 0; i < params.size(); ++i) {
-    const OptimParam& p = params[i];
-    if (!with_state.count(i)) {
-      // As Optimizer.load_state_dict: a parameter without saved state has
-      // none after loading.
-      optimizer.state().erase(p.param.unsafeGetTensorImpl());
-      continue;
-    }
-    std::vector<at::Tensor*> tensors;
-    int64_t* step = nullptr;
-    param_state(kind, optimizer, p, shapes[i], /*create=*/true, &tensors, &step);
-    if (step) {
-      targets[next].dest = at::empty({}, at::kFloat);
-      steps.emplace_back(targets[next].dest, step);
-      ++next;
-    }
-    for (at::Tensor* t : tensors) targets[next++].dest = *t;
-  }
-  TORCH_INTERNAL_ASSERT(next == targets.size());
+  const std::vector<std::pair<at::Tensor, int64_t*>> steps =
+      bind_state_targets(kind, optimizer, params, shapes, with_state, targets);
   fill_targets(targets, state_dict.state, header ? &*header : nullptr, mesh);
-  for (auto& [value, step] : steps) *step = static_cast<int64_t>(std::llround(value.item<double>()));
+  for (const auto& [value, step] : steps) *step = static_cast<int64_t>(std::llround(value.item<double>()));
   return result;
 }
 

@@ -231,6 +231,57 @@ std::string rank_list(const std::vector<int>& ranks, int world_size) {
 
 constexpr std::chrono::seconds kDepartureWait{5};
 
+// The rank's context: its device, the rendezvous, the World. Null, with the
+// failure added, when that failed.
+std::unique_ptr<RankContext> set_up_rank(const DistributedTestOptions& options, int rank, int world_size,
+                                         const std::string& store) {
+  try {
+    if (options.device_type == c10::kCUDA) {
+      const int count = cuda_device_count();
+      if (count == 0) {
+        ADD_FAILURE() << "rank " << rank << ": a CUDA run needs a GPU, but none is visible; call "
+                      << "FSDP2CPP_SKIP_WITHOUT_CUDA() at the top of the test";
+        return nullptr;
+      }
+    }
+    collectives::RendezvousOptions rendezvous;
+    rendezvous.timeout = std::chrono::duration_cast<std::chrono::milliseconds>(options.timeout);
+    auto world = collectives::World::from_file(store, rank, world_size, rendezvous);
+    auto ctx = std::make_unique<RankContext>(std::move(world), options);
+    if (options.device_type == c10::kCUDA) {
+      c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(ctx->device());
+    }
+    return ctx;
+  } catch (...) {
+    ADD_FAILURE() << "rank " << rank << ": setting up the rank failed: " << exception_text(std::current_exception());
+    return nullptr;
+  }
+}
+
+// [Note: leaving together] A rank that tears its groups down while a peer
+// is still connecting to it (Gloo's full-mesh connect finishes at different
+// times on different ranks) makes that peer fail with "connection closed
+// by peer". So every rank waits, briefly, until all have finished their
+// body. A rank that crashed or hangs never arrives; the others give up
+// after kDepartureWait (at most a quarter of the run's timeout) and the
+// crash or hang is reported as usual.
+void wait_for_departures(RankContext& ctx, const DistributedTestOptions& options, int world_size) {
+  try {
+    const auto& store = ctx.world()->store();
+    const std::string key = "fsdp2cpp/test/departed";
+    store->add(key, 1);
+    // Bounded well inside the run's deadline, so that waiting for a hung peer
+    // never makes this rank time out too.
+    const auto wait = std::min<std::chrono::milliseconds>(kDepartureWait, options.timeout / 4);
+    const auto deadline = std::chrono::steady_clock::now() + wait;
+    while (store->add(key, 0) < world_size && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  } catch (...) {
+    // Best effort: the store itself may be gone with a crashed rank 0.
+  }
+}
+
 void run_as_rank(const DistributedTestOptions& options, const RankBody& body, const CallId& call) {
   // Rank output goes to a file: keep it line-buffered so that a crash loses
   // as little of it as possible.
@@ -263,53 +314,14 @@ void run_as_rank(const DistributedTestOptions& options, const RankBody& body, co
     // Already started: the default pool is then used.
   }
 
-  std::unique_ptr<RankContext> ctx;
-  try {
-    if (options.device_type == c10::kCUDA) {
-      const int count = cuda_device_count();
-      if (count == 0) {
-        ADD_FAILURE() << "rank " << rank << ": a CUDA run needs a GPU, but none is visible; call "
-                      << "FSDP2CPP_SKIP_WITHOUT_CUDA() at the top of the test";
-        return;
-      }
-    }
-    collectives::RendezvousOptions rendezvous;
-    rendezvous.timeout = std::chrono::duration_cast<std::chrono::milliseconds>(options.timeout);
-    auto world = collectives::World::from_file(store, rank, world_size, rendezvous);
-    ctx = std::make_unique<RankContext>(std::move(world), options);
-    if (options.device_type == c10::kCUDA) {
-      c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(ctx->device());
-    }
-  } catch (...) {
-    ADD_FAILURE() << "rank " << rank << ": setting up the rank failed: " << exception_text(std::current_exception());
-    return;
-  }
+  std::unique_ptr<RankContext> ctx = set_up_rank(options, rank, world_size, store);
+  if (!ctx) return;
   try {
     body(*ctx);
   } catch (...) {
     ADD_FAILURE() << "rank " << rank << ": the test body threw: " << exception_text(std::current_exception());
   }
-  // [Note: leaving together] A rank that tears its groups down while a peer
-  // is still connecting to it (Gloo's full-mesh connect finishes at different
-  // times on different ranks) makes that peer fail with "connection closed
-  // by peer". So every rank waits, briefly, until all have finished their
-  // body. A rank that crashed or hangs never arrives; the others give up
-  // after kDepartureWait (at most a quarter of the run's timeout) and the
-  // crash or hang is reported as usual.
-  try {
-    const auto& store = ctx->world()->store();
-    const std::string key = "fsdp2cpp/test/departed";
-    store->add(key, 1);
-    // Bounded well inside the run's deadline, so that waiting for a hung peer
-    // never makes this rank time out too.
-    const auto wait = std::min<std::chrono::milliseconds>(kDepartureWait, options.timeout / 4);
-    const auto deadline = std::chrono::steady_clock::now() + wait;
-    while (store->add(key, 0) < world_size && std::chrono::steady_clock::now() < deadline) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
-  } catch (...) {
-    // Best effort: the store itself may be gone with a crashed rank 0.
-  }
+  wait_for_departures(*ctx, options, world_size);
   // Communicators and the World are torn down here, before the test ends.
   try {
     ctx.reset();
@@ -392,13 +404,8 @@ pid_t spawn_rank(const std::string& exe, const std::string& log_path, const std:
   return pid;
 }
 
-std::vector<RankOutcome> launch(const DistributedTestOptions& options, const CallId& call) {
-  if (options.world_size < 1) {
-    throw std::invalid_argument("fsdp::testing: world_size must be >= 1, got " + std::to_string(options.world_size));
-  }
-  if (options.timeout.count() <= 0) {
-    throw std::invalid_argument("fsdp::testing: the timeout must be positive");
-  }
+// A fresh directory for one run's store, logs and markers.
+std::string make_run_dir() {
   const char* tmp_root = std::getenv("TMPDIR");
   std::string templ = std::string(tmp_root && *tmp_root ? tmp_root : "/tmp") + "/fsdp2cpp-test-XXXXXX";
   std::vector<char> buffer(templ.begin(), templ.end());
@@ -406,37 +413,42 @@ std::vector<RankOutcome> launch(const DistributedTestOptions& options, const Cal
   if (mkdtemp(buffer.data()) == nullptr) {
     throw std::runtime_error("fsdp::testing: mkdtemp(" + templ + ") failed: " + strerror(errno));
   }
-  const std::string dir(buffer.data());
-  const std::string store = dir + "/store";
+  return std::string(buffer.data());
+}
+
+// Starts every rank; on a failure kills those already started, removes `dir`
+// and rethrows.
+std::vector<pid_t> spawn_ranks(const DistributedTestOptions& options, const CallId& call, const std::string& dir,
+                               const std::string& store) {
   const std::string exe = self_exe();
   const std::vector<std::string> args = {exe, "--gtest_filter=" + call.test_name, "--gtest_also_run_disabled_tests",
                                          "--gtest_color=no"};
-
   const int n = options.world_size;
-  std::vector<RankOutcome> outcomes(n);
-  std::vector<pid_t> pids(n, -1);
-  std::vector<bool> running(n, false);
-  const auto start = std::chrono::steady_clock::now();
-  auto elapsed = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
+  std::vector<pid_t> pids;
   try {
     for (int r = 0; r < n; ++r) {
-      outcomes[r].rank = r;
-      pids[r] =
-          spawn_rank(exe, dir + "/rank-" + std::to_string(r) + ".log", args, rank_environment(r, options, store, call));
-      running[r] = true;
+      pids.push_back(spawn_rank(exe, dir + "/rank-" + std::to_string(r) + ".log", args,
+                                rank_environment(r, options, store, call)));
     }
   } catch (...) {
-    for (int r = 0; r < n; ++r) {
-      if (running[r]) {
-        kill(-pids[r], SIGKILL);
-        waitpid(pids[r], nullptr, 0);
-      }
+    for (pid_t pid : pids) {
+      kill(-pid, SIGKILL);
+      waitpid(pid, nullptr, 0);
     }
     remove_dir(dir);
     throw;
   }
+  return pids;
+}
 
-  const auto deadline = start + options.timeout;
+// Waits for every rank to end, until `start` + the run's timeout, after which
+// the ranks still running are killed as timed out; fills in how each ended.
+void wait_for_ranks(const std::vector<pid_t>& pids, std::chrono::steady_clock::time_point start,
+                    std::chrono::seconds timeout, std::vector<RankOutcome>& outcomes) {
+  const int n = static_cast<int>(pids.size());
+  std::vector<bool> running(n, true);
+  auto elapsed = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
+  const auto deadline = start + timeout;
   int remaining = n;
   while (remaining > 0) {
     for (int r = 0; r < n; ++r) {
@@ -471,6 +483,23 @@ std::vector<RankOutcome> launch(const DistributedTestOptions& options, const Cal
     }
     std::this_thread::sleep_for(kPollInterval);
   }
+}
+
+std::vector<RankOutcome> launch(const DistributedTestOptions& options, const CallId& call) {
+  if (options.world_size < 1) {
+    throw std::invalid_argument("fsdp::testing: world_size must be >= 1, got " + std::to_string(options.world_size));
+  }
+  if (options.timeout.count() <= 0) {
+    throw std::invalid_argument("fsdp::testing: the timeout must be positive");
+  }
+  const std::string dir = make_run_dir();
+  const std::string store = dir + "/store";
+  const int n = options.world_size;
+  std::vector<RankOutcome> outcomes(n);
+  for (int r = 0; r < n; ++r) outcomes[r].rank = r;
+  const auto start = std::chrono::steady_clock::now();
+  const std::vector<pid_t> pids = spawn_ranks(options, call, dir, store);
+  wait_for_ranks(pids, start, options.timeout, outcomes);
 
   const bool verbose = env_or_empty("FSDP2CPP_TEST_VERBOSE") == "1";
   for (int r = 0; r < n; ++r) {
@@ -502,6 +531,22 @@ bool maybe_run_as_rank(const DistributedTestOptions& options, const RankBody& bo
 }  // namespace
 
 // ---- RankContext --------------------------------------------------------------
+
+DistributedTestOptions hsdp_options(int64_t replicas, int64_t shards) {
+  DistributedTestOptions options;
+  options.world_size = static_cast<int>(replicas * shards);
+  options.mesh_shape = {replicas, shards};
+  options.mesh_dim_names = {"replicate", "shard"};
+  return options;
+}
+
+DistributedTestOptions cuda_options(int world_size, collectives::BackendKind backend) {
+  DistributedTestOptions options;
+  options.world_size = world_size;
+  options.device_type = c10::kCUDA;
+  options.communicator.backend = backend;
+  return options;
+}
 
 RankContext::RankContext(std::shared_ptr<collectives::World> world, DistributedTestOptions options)
     : world_(std::move(world)), options_(std::move(options)) {

@@ -82,10 +82,7 @@ TEST(CheckpointResharding, SavedAtFourLoadsAtOneTwoAndThree) {
 
 TEST(CheckpointResharding, HsdpTwoByTwoWritesReplicaZeroAndLoadsAtThree) {
   ckpt_test::SharedDir root;
-  fsdp::testing::DistributedTestOptions options;
-  options.world_size = 4;
-  options.mesh_shape = {2, 2};
-  options.mesh_dim_names = {"replicate", "shard"};
+  const fsdp::testing::DistributedTestOptions options = fsdp::testing::hsdp_options(2, 2);
   fsdp::testing::run_distributed(options, [&](RankContext& ctx) {
     const std::vector<Placement> hsdp = {Placement::replicate(), Placement::shard(0)};
     fsdp::StateDict sd = ckpt_test::make_state(ctx.mesh(), hsdp);

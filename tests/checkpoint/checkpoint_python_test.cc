@@ -68,15 +68,21 @@ const std::string kHelper = kSourceDir + "/checkpoint/python/fsdp2cpp_checkpoint
     if (std::string(FSDP2CPP_TEST_PYTHON).empty()) GTEST_SKIP() << "no Python with torch configured"; \
   } while (false)
 
-TEST(CheckpointPython, PyTorchsHuggingFaceStorageReaderLoadsOurShardedCheckpoint) {
-  SKIP_WITHOUT_PYTHON();
-  ckpt_test::SharedDir root;
+// Saves the formula's state sharded at 3 ranks as step 7 of `root`
+// (root/step-7/model).
+void save_step_7_at_three_ranks(const ckpt_test::SharedDir& root) {
   fsdp::testing::run_distributed(3, [&](RankContext& ctx) {
     fsdp::StateDict sd = ckpt_test::make_state(ctx.mesh(), kShard0);
     ckpt::CheckpointWriter writer(root.path(), 7, ctx.world_group());
     writer.record(ckpt::save_sharded(sd, writer.subdir("model"), ctx.rank()));
     writer.commit();
   });
+}
+
+TEST(CheckpointPython, PyTorchsHuggingFaceStorageReaderLoadsOurShardedCheckpoint) {
+  SKIP_WITHOUT_PYTHON();
+  ckpt_test::SharedDir root;
+  save_step_7_at_three_ranks(root);
   if (fsdp::testing::is_rank_process()) return;
   auto r = run_interop("read_sharded", root / "step-7/model");
   EXPECT_EQ(r.exit_code, 0) << r.output;
@@ -177,12 +183,7 @@ TEST(CheckpointPython, PyTorchReadsTheModelOptimizerAndGeneratorOfATrainingState
 TEST(CheckpointPython, HelperListsTheTensorsAndBuildsTheSkeletonDcpLoadNeeds) {
   SKIP_WITHOUT_PYTHON();
   ckpt_test::SharedDir root;
-  fsdp::testing::run_distributed(3, [&](RankContext& ctx) {
-    fsdp::StateDict sd = ckpt_test::make_state(ctx.mesh(), kShard0);
-    ckpt::CheckpointWriter writer(root.path(), 7, ctx.world_group());
-    writer.record(ckpt::save_sharded(sd, writer.subdir("model"), ctx.rank()));
-    writer.commit();
-  });
+  save_step_7_at_three_ranks(root);
   if (fsdp::testing::is_rank_process()) return;
   auto r = run_python(kHelper, {"list", root / "step-7"});
   ASSERT_EQ(r.exit_code, 0) << r.output;

@@ -107,12 +107,18 @@ def _read_rank(rank, world, init_file, path):
     dist.destroy_process_group()
 
 
-def read_sharded_distributed(path, world=2):
+def _spawn(rank_fn, world, path):
+    """Runs rank_fn(rank, world, init_file, path) on `world` processes, one
+    thread each, rendezvousing through a file in a fresh directory."""
     import torch.multiprocessing as mp
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_read_rank, args=(world, os.path.join(tmp, "init"), path), nprocs=world, join=True)
+        mp.spawn(rank_fn, args=(world, os.path.join(tmp, "init"), path), nprocs=world, join=True)
+
+
+def read_sharded_distributed(path, world=2):
+    _spawn(_read_rank, world, path)
     print(f"read_sharded_distributed: {len(SPECS)} tensors equal the formula on {world} ranks")
 
 
@@ -168,11 +174,7 @@ def _write_rank(rank, world, init_file, path):
 
 
 def write_sharded(path, world=3):
-    import torch.multiprocessing as mp
-
-    torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_write_rank, args=(world, os.path.join(tmp, "init"), path), nprocs=world, join=True)
+    _spawn(_write_rank, world, path)
     print(f"write_sharded: {sorted(os.listdir(path))}")
 
 

@@ -83,6 +83,27 @@ inline std::vector<DtypeOps> dtype_ops() {
   return {{at::kFloat, all}, {at::kBFloat16, all}, {at::kLong, {ReduceOp::sum(), ReduceOp::max()}}};
 }
 
+// A reduction in flight, and the tensors it reads and writes (one tensor for
+// an in-place all-reduce).
+struct InFlight {
+  Work work;
+  at::Tensor input;
+  at::Tensor output;
+  at::ScalarType dtype;
+  ReduceOp op;
+};
+
+// `issue(dtype, op)` for every pair of dtype_ops(), all issued before any is
+// waited for: several collectives in flight at once.
+template <typename Issue>
+std::vector<InFlight> issue_for_every_dtype_op(Issue&& issue) {
+  std::vector<InFlight> pending;
+  for (const DtypeOps& d : dtype_ops()) {
+    for (const ReduceOp& op : d.ops) pending.push_back(issue(d.dtype, op));
+  }
+  return pending;
+}
+
 inline std::string label(const Communicator& comm, at::ScalarType dtype, const std::string& what) {
   return what + " " + std::string(c10::toString(dtype)) + " on " + comm.name() + " as group rank " +
          std::to_string(comm.rank());
@@ -147,22 +168,12 @@ inline void check_reduce_scatters_in_flight(Communicator& comm, c10::Device devi
   const int size = comm.size();
   const int rank = comm.rank();
   constexpr int64_t kChunk = 5;
-  struct Pending {
-    Work work;
-    at::Tensor input;
-    at::Tensor output;
-    at::ScalarType dtype;
-    ReduceOp op;
-  };
-  std::vector<Pending> pending;
-  for (const DtypeOps& d : dtype_ops()) {
-    for (const ReduceOp& op : d.ops) {
-      at::Tensor input = rank_input(rank, size * kChunk, d.dtype, device);
-      at::Tensor output = at::full({kChunk}, -1, at::TensorOptions().dtype(d.dtype).device(device));
-      Work work = comm.reduce_scatter_tensor(output, input, op);
-      pending.push_back(Pending{std::move(work), input, output, d.dtype, op});
-    }
-  }
+  std::vector<InFlight> pending = issue_for_every_dtype_op([&](at::ScalarType dtype, const ReduceOp& op) {
+    at::Tensor input = rank_input(rank, size * kChunk, dtype, device);
+    at::Tensor output = at::full({kChunk}, -1, at::TensorOptions().dtype(dtype).device(device));
+    Work work = comm.reduce_scatter_tensor(output, input, op);
+    return InFlight{std::move(work), input, output, dtype, op};
+  });
   for (auto it = pending.rbegin(); it != pending.rend(); ++it) {
     const std::string what = label(comm, it->dtype, "reduce_scatter_tensor(" + it->op.to_string() + ") in flight");
     it->work.wait();
@@ -180,21 +191,12 @@ inline void check_all_reduce(Communicator& comm, c10::Device device) {
   const int size = comm.size();
   const int rank = comm.rank();
   constexpr int64_t kNumel = 5;
-  struct Pending {
-    Work work;
-    at::Tensor tensor;
-    at::ScalarType dtype;
-    ReduceOp op;
-  };
-  std::vector<Pending> pending;
-  for (const DtypeOps& d : dtype_ops()) {
-    for (const ReduceOp& op : d.ops) {
-      at::Tensor t = rank_input(rank, kNumel, d.dtype, device);
-      Work work = comm.all_reduce(t, op);
-      pending.push_back(Pending{std::move(work), t, d.dtype, op});
-    }
-  }
-  for (Pending& p : pending) {
+  std::vector<InFlight> pending = issue_for_every_dtype_op([&](at::ScalarType dtype, const ReduceOp& op) {
+    at::Tensor t = rank_input(rank, kNumel, dtype, device);
+    Work work = comm.all_reduce(t, op);
+    return InFlight{std::move(work), t, t, dtype, op};
+  });
+  for (InFlight& p : pending) {
     const std::string what = label(comm, p.dtype, "all_reduce(" + p.op.to_string() + ")");
     EXPECT_NE(p.work.description().find("all_reduce(" + p.op.to_string() + ") on " + comm.name()), std::string::npos)
         << p.work.description();
@@ -203,7 +205,7 @@ inline void check_all_reduce(Communicator& comm, c10::Device device) {
     p.work.wait();
     EXPECT_TRUE(p.work.is_completed()) << what;
     EXPECT_EQ(p.work.exception(), nullptr) << what;
-    expect_reduced(p.tensor, expected_reduction(size, 0, kNumel, p.dtype, p.op), p.dtype, p.op, what);
+    expect_reduced(p.output, expected_reduction(size, 0, kNumel, p.dtype, p.op), p.dtype, p.op, what);
   }
 }
 

@@ -24,12 +24,14 @@
 #include "collectives/communicator.h"
 #include "collectives/errors.h"
 #include "collectives/world.h"
+#include "env_test_util.h"
 #include "fsdp_testing/distributed_test.h"
 
 namespace fsdp::collectives {
 namespace {
 
 using ::fsdp::testing::RankContext;
+using test::free_port;
 using ::testing::HasSubstr;
 using ::testing::Not;
 
@@ -129,20 +131,6 @@ INSTANTIATE_TEST_SUITE_P(WorldSizes, CollectivesTest, ::testing::Values(1, 2, 3,
                          });
 
 // ---- rendezvous across processes ------------------------------------------------
-
-// A port nobody listens on right now.
-int free_port() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  socklen_t len = sizeof(addr);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  close(fd);
-  return ntohs(addr.sin_port);
-}
 
 TEST(RendezvousTest, EnvRendezvousAcrossProcesses) {
   fsdp::testing::run_distributed(3, [](RankContext& ctx) {

@@ -29,9 +29,7 @@ void check_everything(RankContext& ctx) {
 
 TEST(CollectivesGpuTest, NcclAtWorldSizeOne) {
   FSDP2CPP_SKIP_WITHOUT_CUDA();
-  fsdp::testing::DistributedTestOptions options;
-  options.world_size = 1;
-  options.device_type = c10::kCUDA;
+  const fsdp::testing::DistributedTestOptions options = fsdp::testing::cuda_options(1);
   fsdp::testing::run_distributed(options, [](RankContext& ctx) {
     EXPECT_EQ(ctx.world_group()->backend_kind(), BackendKind::kNccl);
     check_everything(ctx);
@@ -42,10 +40,7 @@ class GlooOnCudaTest : public ::testing::TestWithParam<int> {};
 
 TEST_P(GlooOnCudaTest, EveryCollectiveMovesCudaTensors) {
   FSDP2CPP_SKIP_WITHOUT_CUDA();
-  fsdp::testing::DistributedTestOptions options;
-  options.world_size = GetParam();
-  options.device_type = c10::kCUDA;
-  options.communicator.backend = BackendKind::kGloo;
+  const fsdp::testing::DistributedTestOptions options = fsdp::testing::cuda_options(GetParam(), BackendKind::kGloo);
   fsdp::testing::run_distributed(options, [](RankContext& ctx) {
     EXPECT_EQ(ctx.world_group()->backend_kind(), BackendKind::kGloo);
     check_everything(ctx);

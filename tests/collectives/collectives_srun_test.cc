@@ -3,13 +3,7 @@
 // by hand (no Slurm here). One real rendezvous at world size 1; the values of
 // larger worlds are checked through env_rendezvous_spec(), which from_env
 // reads.
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <cstdlib>
-#include <functional>
-#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -22,67 +16,31 @@
 #include "collectives/communicator.h"
 #include "collectives/reduce_op.h"
 #include "collectives/world.h"
+#include "env_test_util.h"
+#include "fsdp_testing/expect_error.h"
 
 namespace fsdp::collectives {
 namespace {
 
+using ::fsdp::testing::thrown_error;
+using test::free_port;
 using ::testing::HasSubstr;
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  ADD_FAILURE() << "expected a c10::Error, nothing was thrown";
-  return "";
-}
 
 // Clears every launcher variable for the test and restores them after.
 class SrunEnvTest : public ::testing::Test {
  protected:
-  static constexpr const char* kVars[] = {"MASTER_ADDR",
-                                          "MASTER_PORT",
-                                          "RANK",
-                                          "WORLD_SIZE",
-                                          "LOCAL_RANK",
-                                          "LOCAL_WORLD_SIZE",
-                                          "SLURM_PROCID",
-                                          "SLURM_NTASKS",
-                                          "SLURM_LOCALID",
-                                          "SLURM_NTASKS_PER_NODE",
-                                          "SLURM_TASKS_PER_NODE",
-                                          "SLURM_NODEID",
-                                          "TORCHELASTIC_USE_AGENT_STORE"};
   void SetUp() override {
-    for (const char* var : kVars) {
-      if (const char* value = std::getenv(var)) saved_[var] = value;
-      unsetenv(var);
-    }
+    env_.save_and_unset();
     setenv("MASTER_ADDR", "127.0.0.1", 1);
     setenv("MASTER_PORT", "29555", 1);
   }
-  void TearDown() override {
-    for (const char* var : kVars) {
-      unsetenv(var);
-      if (auto it = saved_.find(var); it != saved_.end()) setenv(var, it->second.c_str(), 1);
-    }
-  }
+  void TearDown() override { env_.restore(); }
   static void set(const std::vector<std::pair<const char*, const char*>>& vars) {
     for (const auto& [name, value] : vars) setenv(name, value, 1);
   }
-  static int free_port() {
-    const int fd = socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-    socklen_t len = sizeof(addr);
-    getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-    close(fd);
-    return ntohs(addr.sin_port);
-  }
-  std::map<std::string, std::string> saved_;
+  test::SavedEnv env_{{"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                       "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE",
+                       "SLURM_NODEID", "TORCHELASTIC_USE_AGENT_STORE"}};
 };
 
 TEST_F(SrunEnvTest, WorldSizeOneRendezvousAndCommunicates) {
@@ -143,15 +101,15 @@ TEST_F(SrunEnvTest, TorchrunVariablesWinOverSlurms) {
 }
 
 TEST_F(SrunEnvTest, NamesTheMissingVariable) {
-  EXPECT_THAT(error_of([] { env_rendezvous_spec(); }),
+  EXPECT_THAT(thrown_error([] { env_rendezvous_spec(); }),
               HasSubstr("environment variable RANK is not set (nor SLURM_PROCID, which srun sets)"));
   setenv("SLURM_PROCID", "0", 1);
-  EXPECT_THAT(error_of([] { env_rendezvous_spec(); }), HasSubstr("environment variable SLURM_NTASKS is not set"));
+  EXPECT_THAT(thrown_error([] { env_rendezvous_spec(); }), HasSubstr("environment variable SLURM_NTASKS is not set"));
   setenv("SLURM_NTASKS", "1", 1);
   unsetenv("MASTER_PORT");
-  EXPECT_THAT(error_of([] { env_rendezvous_spec(); }), HasSubstr("environment variable MASTER_PORT is not set"));
+  EXPECT_THAT(thrown_error([] { env_rendezvous_spec(); }), HasSubstr("environment variable MASTER_PORT is not set"));
   unsetenv("MASTER_ADDR");
-  const std::string message = error_of([] { World::from_env(); });
+  const std::string message = thrown_error([] { World::from_env(); });
   EXPECT_THAT(message, HasSubstr("environment variable MASTER_ADDR is not set"));
   EXPECT_THAT(message, HasSubstr("srun sets SLURM_PROCID, SLURM_NTASKS and SLURM_LOCALID but not MASTER_ADDR"));
 }
@@ -163,7 +121,7 @@ TEST_F(SrunEnvTest, NamesTheMalformedVariable) {
   for (const auto& [var, value] : cases) {
     set({{"SLURM_PROCID", "1"}, {"SLURM_NTASKS", "4"}, {"SLURM_LOCALID", "1"}, {"SLURM_TASKS_PER_NODE", "2(x2)"}});
     setenv(var, value, 1);
-    EXPECT_THAT(error_of([] { env_rendezvous_spec(); }),
+    EXPECT_THAT(thrown_error([] { env_rendezvous_spec(); }),
                 HasSubstr(std::string("environment variable ") + var + "='" + value + "' is not an integer in"))
         << var << "=" << value;
     unsetenv("SLURM_NTASKS_PER_NODE");
@@ -172,13 +130,13 @@ TEST_F(SrunEnvTest, NamesTheMalformedVariable) {
   set({{"SLURM_PROCID", "1"}, {"SLURM_NTASKS", "4"}, {"SLURM_LOCALID", "1"}});
   for (const char* bad : {"2(x2", "2(y2)", "two", "0(x4)"}) {
     setenv("SLURM_TASKS_PER_NODE", bad, 1);
-    EXPECT_THAT(error_of([] { env_rendezvous_spec(); }),
+    EXPECT_THAT(thrown_error([] { env_rendezvous_spec(); }),
                 HasSubstr(std::string("environment variable SLURM_TASKS_PER_NODE='") + bad + "'"))
         << bad;
   }
   setenv("SLURM_TASKS_PER_NODE", "2(x2)", 1);
   setenv("SLURM_NODEID", "2", 1);
-  EXPECT_THAT(error_of([] { env_rendezvous_spec(); }), HasSubstr("has no entry for node 2 (SLURM_NODEID)"));
+  EXPECT_THAT(thrown_error([] { env_rendezvous_spec(); }), HasSubstr("has no entry for node 2 (SLURM_NODEID)"));
 }
 
 }  // namespace

@@ -28,11 +28,15 @@
 #include "collectives/reduce_op.h"
 #include "collectives/work.h"
 #include "collectives/world.h"
+#include "env_test_util.h"
 #include "fsdp_testing/distributed_test.h"
+#include "fsdp_testing/expect_error.h"
 
 namespace fsdp::collectives {
 namespace {
 
+using ::fsdp::testing::thrown_error;
+using test::free_port;
 using ::testing::HasSubstr;
 
 // Runs `body(rank)` on `size` threads and rethrows the first failure.
@@ -48,18 +52,6 @@ std::vector<std::shared_ptr<World>> thread_worlds(int size) {
   std::vector<std::shared_ptr<World>> worlds(size);
   run_threads(size, [&](int r) { worlds[r] = World::from_store(store, r, size, "test://threads"); });
   return worlds;
-}
-
-// The message of the c10::Error that `f` throws (fails the test when it
-// throws nothing).
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  ADD_FAILURE() << "expected a c10::Error, nothing was thrown";
-  return "";
 }
 
 // A CPU communicator of size 1, in this process.
@@ -139,76 +131,80 @@ TEST_F(SingleRankTest, SizeOneGroupComputesEveryOp) {
   comm_->barrier().wait();
 }
 
+// The Rejects tests: each refused call throws at issue, before there is a
+// Work to wait for, so its result is dropped with (void).
 TEST_F(SingleRankTest, RejectsAllGatherOutputOfWrongSize) {
-  const std::string message = error_of([&] { comm_->all_gather_into_tensor(at::empty({4}), at::empty({5})); });
+  const std::string message =
+      thrown_error([&] { (void)comm_->all_gather_into_tensor(at::empty({4}), at::empty({5})); });
   EXPECT_THAT(message, HasSubstr("all_gather_into_tensor on gloo[0]"));
   EXPECT_THAT(message, HasSubstr("`output` has 4 elements, expected size() * input.numel() = 1 * 5 = 5"));
 }
 
 TEST_F(SingleRankTest, RejectsReduceScatterInputOfWrongSize) {
   const std::string message =
-      error_of([&] { comm_->reduce_scatter_tensor(at::empty({5}), at::empty({6}), ReduceOp::sum()); });
+      thrown_error([&] { (void)comm_->reduce_scatter_tensor(at::empty({5}), at::empty({6}), ReduceOp::sum()); });
   EXPECT_THAT(message, HasSubstr("reduce_scatter_tensor on gloo[0]"));
   EXPECT_THAT(message, HasSubstr("`input` has 6 elements, expected size() * output.numel() = 1 * 5 = 5"));
 }
 
 TEST_F(SingleRankTest, RejectsMismatchedDtypes) {
-  const std::string message =
-      error_of([&] { comm_->all_gather_into_tensor(at::empty({4}, at::kFloat), at::empty({4}, at::kBFloat16)); });
+  const std::string message = thrown_error(
+      [&] { (void)comm_->all_gather_into_tensor(at::empty({4}, at::kFloat), at::empty({4}, at::kBFloat16)); });
   EXPECT_THAT(message, HasSubstr("`output` has dtype Float but `input` has dtype BFloat16"));
-  EXPECT_THAT(error_of([&] {
-                comm_->reduce_scatter_tensor(at::empty({4}, at::kLong), at::empty({4}, at::kFloat), ReduceOp::sum());
+  EXPECT_THAT(thrown_error([&] {
+                (void)comm_->reduce_scatter_tensor(at::empty({4}, at::kLong), at::empty({4}, at::kFloat),
+                                                   ReduceOp::sum());
               }),
               HasSubstr("`output` has dtype Long but `input` has dtype Float"));
 }
 
 TEST_F(SingleRankTest, RejectsNonContiguousTensors) {
   at::Tensor transposed = at::zeros({4, 3}).t();
-  const std::string message = error_of([&] { comm_->all_reduce(transposed, ReduceOp::sum()); });
+  const std::string message = thrown_error([&] { (void)comm_->all_reduce(transposed, ReduceOp::sum()); });
   EXPECT_THAT(message, HasSubstr("all_reduce on gloo[0]: `tensor` is not contiguous"));
   EXPECT_THAT(message, HasSubstr(".contiguous()"));
-  EXPECT_THAT(error_of([&] { comm_->all_gather_into_tensor(at::empty({12}), transposed); }),
+  EXPECT_THAT(thrown_error([&] { (void)comm_->all_gather_into_tensor(at::empty({12}), transposed); }),
               HasSubstr("`input` is not contiguous"));
-  EXPECT_THAT(error_of([&] { comm_->broadcast(transposed, 0); }), HasSubstr("`tensor` is not contiguous"));
+  EXPECT_THAT(thrown_error([&] { (void)comm_->broadcast(transposed, 0); }), HasSubstr("`tensor` is not contiguous"));
 }
 
 TEST_F(SingleRankTest, RejectsTensorsOnAnotherDevice) {
   // A meta tensor has a device type other than the communicator's without a
   // GPU being present; CUDA tensors take the same check.
   at::Tensor meta = at::empty({4}, at::TensorOptions().device(c10::kMeta));
-  const std::string message = error_of([&] { comm_->all_reduce(meta, ReduceOp::sum()); });
+  const std::string message = thrown_error([&] { (void)comm_->all_reduce(meta, ReduceOp::sum()); });
   EXPECT_THAT(message, HasSubstr("`tensor` is on device meta, expected a cpu tensor"));
-  EXPECT_THAT(error_of([&] { comm_->all_gather_into_tensor(meta, at::empty({4})); }),
+  EXPECT_THAT(thrown_error([&] { (void)comm_->all_gather_into_tensor(meta, at::empty({4})); }),
               HasSubstr("`output` is on device meta"));
-  EXPECT_THAT(error_of([&] { comm_->reduce_scatter_tensor(at::empty({4}), meta, ReduceOp::sum()); }),
+  EXPECT_THAT(thrown_error([&] { (void)comm_->reduce_scatter_tensor(at::empty({4}), meta, ReduceOp::sum()); }),
               HasSubstr("`input` is on device meta"));
 }
 
 TEST_F(SingleRankTest, RejectsUndefinedTensors) {
-  EXPECT_THAT(error_of([&] { comm_->all_reduce(at::Tensor(), ReduceOp::sum()); }),
+  EXPECT_THAT(thrown_error([&] { (void)comm_->all_reduce(at::Tensor(), ReduceOp::sum()); }),
               HasSubstr("`tensor` is an undefined tensor"));
 }
 
 TEST_F(SingleRankTest, RejectsBroadcastRootOutsideTheGroup) {
   at::Tensor t = at::zeros({2});
-  EXPECT_THAT(error_of([&] { comm_->broadcast(t, 1); }), HasSubstr("root 1 is not a group rank"));
-  EXPECT_THAT(error_of([&] { comm_->broadcast(t, -1); }), HasSubstr("root -1 is not a group rank"));
+  EXPECT_THAT(thrown_error([&] { (void)comm_->broadcast(t, 1); }), HasSubstr("root 1 is not a group rank"));
+  EXPECT_THAT(thrown_error([&] { (void)comm_->broadcast(t, -1); }), HasSubstr("root -1 is not a group rank"));
 }
 
 TEST_F(SingleRankTest, RejectsScaledReductionsOfIntegers) {
   at::Tensor t = at::zeros({2}, at::kLong);
-  EXPECT_THAT(error_of([&] { comm_->all_reduce(t, ReduceOp::avg()); }),
+  EXPECT_THAT(thrown_error([&] { (void)comm_->all_reduce(t, ReduceOp::avg()); }),
               HasSubstr("AVG needs a floating-point tensor, got dtype Long"));
-  EXPECT_THAT(error_of([&] { comm_->reduce_scatter_tensor(t, t, ReduceOp::premul_sum(0.5)); }),
+  EXPECT_THAT(thrown_error([&] { (void)comm_->reduce_scatter_tensor(t, t, ReduceOp::premul_sum(0.5)); }),
               HasSubstr("PREMUL_SUM(0.5) needs a floating-point tensor"));
 }
 
 TEST_F(SingleRankTest, RejectsCoalescedListsThatDoNotPair) {
-  EXPECT_THAT(error_of([&] { comm_->all_gather_into_tensor_coalesced({at::empty({2})}, {}); }),
+  EXPECT_THAT(thrown_error([&] { (void)comm_->all_gather_into_tensor_coalesced({at::empty({2})}, {}); }),
               HasSubstr("1 outputs but 0 inputs"));
-  EXPECT_THAT(error_of([&] {
-                comm_->reduce_scatter_tensor_coalesced({at::empty({2}), at::empty({3})},
-                                                       {at::empty({2}), at::empty({2})}, ReduceOp::sum());
+  EXPECT_THAT(thrown_error([&] {
+                (void)comm_->reduce_scatter_tensor_coalesced({at::empty({2}), at::empty({3})},
+                                                             {at::empty({2}), at::empty({2})}, ReduceOp::sum());
               }),
               HasSubstr("`inputs[1]` has 2 elements, expected size() * outputs[1].numel() = 1 * 3 = 3"));
 }
@@ -218,8 +214,8 @@ TEST(CommunicatorTest, SizeChecksUseTheGroupSize) {
   std::vector<std::string> messages(2);
   run_threads(2, [&](int r) {
     auto comm = worlds[r]->new_group({0, 1}, c10::kCPU);
-    // Right for one rank, wrong for two.
-    messages[r] = error_of([&] { comm->all_gather_into_tensor(at::empty({3}), at::empty({3})); });
+    // Right for one rank, wrong for two: refused at issue, no Work to wait for.
+    messages[r] = thrown_error([&] { (void)comm->all_gather_into_tensor(at::empty({3}), at::empty({3})); });
   });
   EXPECT_THAT(messages[0], HasSubstr("on gloo[0,1]: `output` has 3 elements, expected size() * input.numel() = 2 * 3"));
 }
@@ -264,13 +260,13 @@ TEST(CommunicatorTest, WaitWithTimeoutThrowsACollectiveTimeoutAndCanBeRetried) {
 
 TEST(WorldTest, NewGroupRejectsANonMemberCaller) {
   auto worlds = thread_worlds(2);
-  const std::string message = error_of([&] { worlds[0]->new_group({1}, c10::kCPU); });
+  const std::string message = thrown_error([&] { worlds[0]->new_group({1}, c10::kCPU); });
   EXPECT_THAT(message, HasSubstr("new_group([1]) on test://threads: this rank (0) is not a member"));
 }
 
 TEST(WorldTest, NewGroupRejectsDuplicateMembers) {
   auto worlds = thread_worlds(2);
-  EXPECT_THAT(error_of([&] {
+  EXPECT_THAT(thrown_error([&] {
                 worlds[0]->new_group({0, 1, 0}, c10::kCPU);
               }),
               HasSubstr("new_group([0,1,0]) on test://threads: rank 0 is listed twice"));
@@ -278,26 +274,26 @@ TEST(WorldTest, NewGroupRejectsDuplicateMembers) {
 
 TEST(WorldTest, NewGroupRejectsRanksOutsideTheWorld) {
   auto worlds = thread_worlds(2);
-  EXPECT_THAT(error_of([&] {
+  EXPECT_THAT(thrown_error([&] {
                 worlds[0]->new_group({0, 2}, c10::kCPU);
               }),
               HasSubstr("rank 2 is out of range for world size 2"));
-  EXPECT_THAT(error_of([&] { worlds[0]->new_group({}, c10::kCPU); }), HasSubstr("the member list is empty"));
+  EXPECT_THAT(thrown_error([&] { worlds[0]->new_group({}, c10::kCPU); }), HasSubstr("the member list is empty"));
 }
 
 TEST(WorldTest, NewGroupRejectsDevicesWithoutAnEngine) {
   auto world = World::from_store(c10::make_intrusive<c10d::HashStore>(), 0, 1, "test://single");
-  EXPECT_THAT(error_of([&] { world->new_group({0}, c10::kMeta); }), HasSubstr("has no collective engine"));
+  EXPECT_THAT(thrown_error([&] { world->new_group({0}, c10::kMeta); }), HasSubstr("has no collective engine"));
   CommunicatorOptions nccl;
   nccl.backend = BackendKind::kNccl;
-  EXPECT_THAT(error_of([&] { world->new_group({0}, c10::kCPU, nccl); }), HasSubstr("NCCL moves CUDA tensors only"));
+  EXPECT_THAT(thrown_error([&] { world->new_group({0}, c10::kCPU, nccl); }), HasSubstr("NCCL moves CUDA tensors only"));
 }
 
 TEST(WorldTest, CudaGroupWithoutAGpuFailsClearly) {
   if (fsdp::testing::cuda_device_count() > 0) GTEST_SKIP() << "a GPU is present";
   auto world = World::from_store(c10::make_intrusive<c10d::HashStore>(), 0, 1, "test://single");
   // CUDA builds: no device; CPU-only builds: no NCCL. Both name NCCL.
-  EXPECT_THAT(error_of([&] { world->new_group({0}, c10::kCUDA); }), HasSubstr("NCCL"));
+  EXPECT_THAT(thrown_error([&] { world->new_group({0}, c10::kCUDA); }), HasSubstr("NCCL"));
 }
 
 TEST(WorldTest, GroupsOverTheSameRanksAreIndependent) {
@@ -331,7 +327,7 @@ TEST(RendezvousTest, NamesTheMissingRanks) {
   // Ranks 1 and 3 of 4 never come.
   run_threads(2, [&](int i) {
     const int rank = i * 2;
-    messages[rank] = error_of([&] { World::from_store(store, rank, 4, "test://missing", options); });
+    messages[rank] = thrown_error([&] { World::from_store(store, rank, 4, "test://missing", options); });
   });
   for (int rank : {0, 2}) {
     EXPECT_THAT(messages[rank], HasSubstr("rendezvous test://missing timed out after 300 ms"));
@@ -341,7 +337,7 @@ TEST(RendezvousTest, NamesTheMissingRanks) {
 
 TEST(RendezvousTest, RejectsRanksOutsideTheWorld) {
   auto store = c10::make_intrusive<c10d::HashStore>();
-  EXPECT_THAT(error_of([&] { World::from_store(store, 2, 2, "test://x"); }),
+  EXPECT_THAT(thrown_error([&] { World::from_store(store, 2, 2, "test://x"); }),
               HasSubstr("rank 2 is out of range for world size 2"));
 }
 
@@ -368,48 +364,16 @@ TEST(RendezvousTest, FileRendezvousAtWorldSizeOne) {
 // Sets the torchrun variables for the test and restores them after.
 class EnvRendezvousTest : public ::testing::Test {
  protected:
-  static constexpr const char* kVars[] = {"MASTER_ADDR",
-                                          "MASTER_PORT",
-                                          "RANK",
-                                          "WORLD_SIZE",
-                                          "LOCAL_RANK",
-                                          "LOCAL_WORLD_SIZE",
-                                          "TORCHELASTIC_USE_AGENT_STORE",
-                                          "TORCHELASTIC_RESTART_COUNT"};
-  void SetUp() override {
-    for (const char* var : kVars) {
-      const char* value = std::getenv(var);
-      if (value) saved_[var] = value;
-      unsetenv(var);
-    }
-  }
-  void TearDown() override {
-    for (const char* var : kVars) {
-      unsetenv(var);
-      auto it = saved_.find(var);
-      if (it != saved_.end()) setenv(var, it->second.c_str(), 1);
-    }
-  }
-  // A port nobody listens on right now.
-  static int free_port() {
-    const int fd = socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    addr.sin_port = 0;
-    EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-    socklen_t len = sizeof(addr);
-    getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-    close(fd);
-    return ntohs(addr.sin_port);
-  }
+  void SetUp() override { env_.save_and_unset(); }
+  void TearDown() override { env_.restore(); }
   void set_single_rank(int port) {
     setenv("MASTER_ADDR", "127.0.0.1", 1);
     setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
     setenv("RANK", "0", 1);
     setenv("WORLD_SIZE", "1", 1);
   }
-  std::map<std::string, std::string> saved_;
+  test::SavedEnv env_{{"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                       "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT"}};
 };
 
 TEST_F(EnvRendezvousTest, WorldSizeOne) {
@@ -451,7 +415,7 @@ TEST_F(EnvRendezvousTest, NamesEachMissingVariable) {
   for (const char* missing : {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"}) {
     set_single_rank(free_port());
     unsetenv(missing);
-    EXPECT_THAT(error_of([] { World::from_env(); }),
+    EXPECT_THAT(thrown_error([] { World::from_env(); }),
                 HasSubstr(std::string("environment variable ") + missing + " is not set"))
         << missing;
   }
@@ -465,7 +429,7 @@ TEST_F(EnvRendezvousTest, NamesEachMalformedVariable) {
   for (const auto& [var, value] : cases) {
     set_single_rank(free_port());
     setenv(var, value, 1);
-    EXPECT_THAT(error_of([] { World::from_env(); }),
+    EXPECT_THAT(thrown_error([] { World::from_env(); }),
                 HasSubstr(std::string("environment variable ") + var + "='" + value + "' is not an integer in"))
         << var << "=" << value;
     unsetenv("LOCAL_RANK");
@@ -482,7 +446,7 @@ TEST_F(EnvRendezvousTest, RankWhoseRankZeroNeverCameTimesOutNamingTheAddress) {
   RendezvousOptions options;
   options.timeout = std::chrono::milliseconds(1000);
   const auto start = std::chrono::steady_clock::now();
-  const std::string message = error_of([&] { World::from_env(options); });
+  const std::string message = thrown_error([&] { World::from_env(options); });
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
   EXPECT_THAT(message, HasSubstr("rendezvous env://127.0.0.1:" + std::to_string(port) + " timed out"));
   EXPECT_THAT(message, HasSubstr("could not reach the store of rank 0 at 127.0.0.1:" + std::to_string(port)));

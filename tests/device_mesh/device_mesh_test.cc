@@ -10,10 +10,13 @@
 #include <gtest/gtest.h>
 
 #include "fsdp_testing/distributed_test.h"
+#include "mesh_coords.h"
 
 namespace fsdp {
 namespace {
 
+using test::flat_index;
+using test::row_major;
 using testing::DistributedTestOptions;
 using testing::RankContext;
 
@@ -25,21 +28,6 @@ struct MeshCase {
 
 int64_t numel_of(const std::vector<int64_t>& shape) {
   return std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<int64_t>());
-}
-
-std::vector<int64_t> row_major(int64_t index, const std::vector<int64_t>& shape) {
-  std::vector<int64_t> coord(shape.size());
-  for (int64_t d = static_cast<int64_t>(shape.size()) - 1; d >= 0; --d) {
-    coord[d] = index % shape[d];
-    index /= shape[d];
-  }
-  return coord;
-}
-
-int64_t flat_index(const std::vector<int64_t>& coord, const std::vector<int64_t>& shape) {
-  int64_t flat = 0;
-  for (size_t d = 0; d < shape.size(); ++d) flat = flat * shape[d] + coord[d];
-  return flat;
 }
 
 // Global ranks along `dim` through `coord`, in order.

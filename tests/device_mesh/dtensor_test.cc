@@ -106,10 +106,7 @@ class DTensorTwoDim : public ::testing::TestWithParam<Shape> {};
 
 TEST_P(DTensorTwoDim, EveryPairOfPlacementsRoundTrips) {
   const Shape mesh_shape = GetParam();
-  DistributedTestOptions options;
-  options.world_size = static_cast<int>(mesh_shape[0] * mesh_shape[1]);
-  options.mesh_shape = mesh_shape;
-  options.mesh_dim_names = {"replicate", "shard"};
+  const DistributedTestOptions options = testing::hsdp_options(mesh_shape[0], mesh_shape[1]);
   testing::run_distributed(options, [mesh_shape](RankContext& ctx) {
     const DeviceMesh& mesh = ctx.mesh();
     const auto R = Placement::replicate();

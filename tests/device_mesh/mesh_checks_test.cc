@@ -20,6 +20,7 @@
 #include "device_mesh/dtensor.h"
 #include "device_mesh/placement.h"
 #include "fsdp_testing/test_helpers.h"
+#include "mesh_coords.h"
 
 namespace fsdp {
 namespace {
@@ -27,6 +28,7 @@ namespace {
 using collectives::Communicator;
 using collectives::World;
 using fsdp::testing::error_of;
+using test::row_major;
 using ::testing::HasSubstr;
 
 // An engine that is never asked to communicate.
@@ -53,15 +55,6 @@ std::vector<std::shared_ptr<World>> make_worlds(int n) {
   for (auto& t : threads) t.join();
   for (int r = 0; r < n; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
   return worlds;
-}
-
-std::vector<int64_t> row_major(int64_t index, const std::vector<int64_t>& shape) {
-  std::vector<int64_t> coord(shape.size());
-  for (int64_t d = static_cast<int64_t>(shape.size()) - 1; d >= 0; --d) {
-    coord[d] = index % shape[d];
-    index /= shape[d];
-  }
-  return coord;
 }
 
 std::shared_ptr<Communicator> inert_communicator(int group_rank, std::vector<int> ranks) {

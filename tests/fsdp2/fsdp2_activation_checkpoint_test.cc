@@ -122,6 +122,18 @@ StackRun run_stack(bool checkpointed, double dropout = 0, bool reuse = false) {
   return {out.detach(), x.grad().clone(), grads_of(*model)};
 }
 
+// The input's and the model's gradients after two backwards through one
+// forward of `model` (the first with retain_graph), the global RNG seeded the
+// same way before forward.
+std::pair<at::Tensor, std::map<std::string, at::Tensor>> grads_of_two_backwards(Stack& model) {
+  at::Tensor x = input();
+  torch::manual_seed(5);
+  at::Tensor loss = model.forward(x).pow(2).sum();
+  loss.backward({}, /*retain_graph=*/true);
+  loss.backward();
+  return std::make_pair(x.grad().clone(), grads_of(model));
+}
+
 TEST(ActivationCheckpoint, GradientsEqualThePlainRunBitForBit) {
   const StackRun plain = run_stack(false);
   const StackRun ckpt = run_stack(true);
@@ -251,12 +263,7 @@ TEST(ActivationCheckpoint, SelectiveGradientsEqualThePlainRunBitForBit) {
       checkpoint_module(*model->b0, CheckpointOptions{.save_ops = selective_checkpoint_ops()});
       checkpoint_module(*model->b1, CheckpointOptions{.save_ops = selective_checkpoint_ops()});
     }
-    at::Tensor x = input();
-    torch::manual_seed(5);
-    at::Tensor loss = model->forward(x).pow(2).sum();
-    loss.backward({}, /*retain_graph=*/true);
-    loss.backward();
-    return std::make_pair(x.grad().clone(), grads_of(*model));
+    return grads_of_two_backwards(*model);
   };
   const auto plain = run(false);
   const auto sac = run(true);
@@ -432,12 +439,7 @@ TEST(ActivationCheckpoint, BackwardTwiceWithRetainGraph) {
   auto run = [](bool checkpointed) {
     auto model = make_stack(0.5);
     if (checkpointed) checkpoint_module(*model->b0);
-    at::Tensor x = input();
-    torch::manual_seed(5);
-    at::Tensor loss = model->forward(x).pow(2).sum();
-    loss.backward({}, /*retain_graph=*/true);
-    loss.backward();
-    return std::make_pair(x.grad().clone(), grads_of(*model));
+    return grads_of_two_backwards(*model);
   };
   const auto plain = run(false);
   const auto ckpt = run(true);
@@ -686,10 +688,7 @@ INSTANTIATE_TEST_SUITE_P(WorldSizes, ActivationCheckpointSharded, ::testing::Val
                          [](const auto& info) { return "world" + std::to_string(info.param); });
 
 TEST(ActivationCheckpointHsdp, TwoByTwoMeshTrainsLikeTheReference) {
-  testing::DistributedTestOptions options;
-  options.world_size = 4;
-  options.mesh_shape = {2, 2};
-  options.mesh_dim_names = {"replicate", "shard"};
+  const testing::DistributedTestOptions options = testing::hsdp_options(2, 2);
   testing::run_distributed(options, [](testing::RankContext& ctx) {
     expect_checkpointed_training_matches(ctx, {.name = "HSDP 2x2"}, Where::kBlocks);
     expect_checkpointed_training_matches(ctx, {.name = "HSDP 2x2, MLP", .kind = ModelKind::kMlp}, Where::kRoot);

@@ -215,10 +215,7 @@ TEST_P(Behaviors, ExplicitPrefetchLists) {
     torch::optim::AdamW ref_optim(reference->parameters(), torch::optim::AdamWOptions(1e-2));
     for (int step = 0; step < 3; ++step) {
       const Batch batch = make_batch(ModelKind::kTransformer, step, 12);
-      ref_optim.zero_grad();
-      at::Tensor ref_loss = reference->forward(batch.x, batch.y);
-      ref_loss.backward();
-      ref_optim.step();
+      at::Tensor ref_loss = train_reference_step(*reference, ref_optim, batch);
       optim.zero_grad();
       const Batch local = batch.slice(ctx.rank(), ctx.world_size());
       at::Tensor loss = call_module(*model, local.x, local.y);

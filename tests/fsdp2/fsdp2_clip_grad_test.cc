@@ -109,6 +109,25 @@ void restore_grads(torch::nn::Module& module, const std::vector<at::Tensor>& gra
   for (size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = grads[i].clone();
 }
 
+// One backward of the same 12 rows: the reference's on all of them, the
+// sharded model's on this rank's slice.
+template <typename Reference, typename Model>
+void backward_on_one_batch(testing::RankContext& ctx, Reference& reference, Model& model) {
+  const Batch batch = make_batch(ModelKind::kMlp, 0, 12);
+  reference.forward(batch.x, batch.y).backward();
+  const Batch local = batch.slice(ctx.rank(), ctx.world_size());
+  call_module(model, local.x, local.y).backward();
+}
+
+// The reference's total gradient norm without clipping (max_norm infinite:
+// coefficient 1); its gradients stay as they were.
+double unclipped_norm(torch::nn::Module& reference, double norm_type) {
+  const std::vector<at::Tensor> ref_grads = grads_of(reference);
+  const double ref_norm = torch::nn::utils::clip_grad_norm_(reference.parameters(), kInf, norm_type);
+  restore_grads(reference, ref_grads);
+  return ref_norm;
+}
+
 struct ClipCase {
   double norm_type;
   bool clips;       // max_norm below the total norm
@@ -128,15 +147,9 @@ void expect_clip_matches_reference(testing::RankContext& ctx, const ClipCase& c)
   auto reference = make_model(ModelKind::kMlp);
   for (auto& b : model->blocks()) fully_shard(b, fs);
   FSDPModule root = fully_shard(model, fs);
-  const Batch batch = make_batch(ModelKind::kMlp, 0, 12);
-  reference->forward(batch.x, batch.y).backward();
-  const Batch local = batch.slice(ctx.rank(), ctx.world_size());
-  call_module(*model, local.x, local.y).backward();
+  backward_on_one_batch(ctx, *reference, *model);
 
-  // The reference's norm without clipping (max_norm infinite: coefficient 1).
-  const std::vector<at::Tensor> ref_grads = grads_of(*reference);
-  const double ref_norm = torch::nn::utils::clip_grad_norm_(reference->parameters(), kInf, c.norm_type);
-  restore_grads(*reference, ref_grads);
+  const double ref_norm = unclipped_norm(*reference, c.norm_type);
   const double max_norm = c.clips ? ref_norm / 3 : ref_norm * 2;
   EXPECT_DOUBLE_EQ(torch::nn::utils::clip_grad_norm_(reference->parameters(), max_norm, c.norm_type), ref_norm);
 
@@ -178,10 +191,7 @@ TEST_P(ClipGrad, MatchesUnshardedClipWithOneAllReduce) {
 }
 
 TEST(ClipGradHsdp, TwoByTwoReducesOverTheShardGroupOnly) {
-  testing::DistributedTestOptions options;
-  options.world_size = 4;
-  options.mesh_shape = {2, 2};
-  options.mesh_dim_names = {"replicate", "shard"};
+  const testing::DistributedTestOptions options = testing::hsdp_options(2, 2);
   testing::run_distributed(options, [](testing::RankContext& ctx) {
     expect_clip_matches_reference(ctx, {2.0, true, true});
     expect_clip_matches_reference(ctx, {kInf, true, false});
@@ -265,8 +275,7 @@ TEST_P(ClipGrad, IgnoredParametersCountOnce) {
       auto model = std::make_shared<WithScale>();
       torch::manual_seed(0);
       auto reference = std::make_shared<WithScale>();
-      FullyShardOptions o;
-      o.mesh = ctx.mesh();
+      FullyShardOptions o = mesh_options(ctx);
       o.ignored_params = {model->scale};
       fully_shard(model->block, o);
       FSDPModule root = fully_shard(model, o);
@@ -419,14 +428,8 @@ void expect_moe_clip_matches_reference(testing::RankContext& ctx, const MoEMeshe
   fully_shard(model->block.ptr(), o);
   FSDPModule root = fully_shard(model, o);
 
-  const Batch batch = make_batch(ModelKind::kMlp, 0, 12);
-  reference->forward(batch.x, batch.y).backward();
-  const Batch local = batch.slice(ctx.rank(), ctx.world_size());
-  call_module(*model, local.x, local.y).backward();
-
-  const std::vector<at::Tensor> ref_grads = grads_of(*reference);
-  const double ref_norm = torch::nn::utils::clip_grad_norm_(reference->parameters(), kInf, norm_type);
-  restore_grads(*reference, ref_grads);
+  backward_on_one_batch(ctx, *reference, *model);
+  const double ref_norm = unclipped_norm(*reference, norm_type);
   const double max_norm = ref_norm / 3;
   torch::nn::utils::clip_grad_norm_(reference->parameters(), max_norm, norm_type);
 
@@ -460,10 +463,7 @@ TEST_P(ClipGradExpertMesh, EachGroupIsReducedOverItsOwnShardGroupAndMatchesTheRe
 
 // The test's own mesh is HSDP 2x2 (the root's): experts over all 4 ranks.
 TEST(ClipGradExpertMeshHsdp, TwoByTwoRootWithExpertsOverFourRanks) {
-  testing::DistributedTestOptions options;
-  options.world_size = 4;
-  options.mesh_shape = {2, 2};
-  options.mesh_dim_names = {"replicate", "shard"};
+  const testing::DistributedTestOptions options = testing::hsdp_options(2, 2);
   testing::run_distributed(options, [](testing::RankContext& ctx) {
     const DeviceMesh flat = init_device_mesh(ctx.world(), ctx.mesh().device_type(), {4}, {"ep"});
     const MoEMeshes meshes{"root HSDP 2x2, experts over 4", ctx.mesh(), flat};

@@ -21,6 +21,7 @@
 #include "fsdp2/clip_grad.h"
 #include "fsdp2/state_dict.h"
 #include "fsdp2_test_util.h"
+#include "torch_save_load.h"
 
 namespace fsdp::test {
 namespace {
@@ -317,12 +318,8 @@ TEST(FastPath, StateDictsAndTorchLoad) {
 
     // torch::load points the parameters at the loaded tensors: the next
     // unshard copies them into the shards.
-    const std::string path = ::testing::TempDir() + "/fast_path_" + std::to_string(::getpid()) + ".pt";
-    torch::save(std::static_pointer_cast<torch::nn::Module>(s.model), path);
     ShardedTransformer from_file = shard_transformer(ctx);
-    auto base = std::static_pointer_cast<torch::nn::Module>(from_file.model);
-    torch::load(base, path);
-    std::remove(path.c_str());
+    torch_save_and_load(s.model, from_file.model, "fast_path");
     const Batch batch = make_batch(ModelKind::kTransformer, 7, kRows);
     {
       c10::NoGradGuard no_grad;
@@ -449,10 +446,7 @@ TEST(FastPath, MixedPrecisionStillAllGathers) {
 // through the all-reduce hook, with a divide factor and when only the last
 // micro-batch all-reduces.
 TEST(FastPath, HsdpWithShardSizeOne) {
-  testing::DistributedTestOptions options;
-  options.world_size = 2;
-  options.mesh_shape = {2, 1};
-  options.mesh_dim_names = {"replicate", "shard"};
+  const testing::DistributedTestOptions options = testing::hsdp_options(2, 1);
   testing::run_distributed(options, [](testing::RankContext& ctx) {
     for (int variant = 0; variant < 3; ++variant) {
       SCOPED_TRACE(variant == 0 ? "plain" : variant == 1 ? "hook and divide factor" : "all-reduce on the last only");

@@ -258,12 +258,7 @@ void expect_matches_reference(testing::RankContext& ctx, const Trace& actual, co
   }
 }
 
-testing::DistributedTestOptions nccl_world_size_one() {
-  testing::DistributedTestOptions options;
-  options.world_size = 1;
-  options.device_type = c10::kCUDA;
-  return options;
-}
+testing::DistributedTestOptions nccl_world_size_one() { return testing::cuda_options(1); }
 
 // The update a hook makes on the reduction stream is seen by the next
 // forward's copy-in: the post-reduce event is recorded after the hooks.
@@ -310,10 +305,7 @@ TEST(Fsdp2GpuOrder, ShardSizeOneDivideFactorWritesEveryElement) {
 TEST(Fsdp2GpuOrder, GlooOnCudaWithOneRankDelayed) {
   FSDP2CPP_SKIP_WITHOUT_CUDA();
   for (const int world : {2, 3, 4}) {
-    testing::DistributedTestOptions options;
-    options.world_size = world;
-    options.device_type = c10::kCUDA;
-    options.communicator.backend = collectives::BackendKind::kGloo;
+    const testing::DistributedTestOptions options = testing::cuda_options(world, collectives::BackendKind::kGloo);
     testing::run_distributed(options, [](testing::RankContext& ctx) {
       SCOPED_TRACE("world size " + std::to_string(ctx.world_size()));
       const bool slow_rank = ctx.rank() == ctx.world_size() - 1;

@@ -81,9 +81,7 @@ void expect_cuda_training_matches_reference(testing::RankContext& ctx, bool mixe
 
 TEST(Fsdp2Gpu, NcclAtWorldSizeOne) {
   FSDP2CPP_SKIP_WITHOUT_CUDA();
-  testing::DistributedTestOptions options;
-  options.world_size = 1;
-  options.device_type = c10::kCUDA;
+  const testing::DistributedTestOptions options = testing::cuda_options(1);
   testing::run_distributed(options, [](testing::RankContext& ctx) {
     expect_cuda_training_matches_reference(ctx, /*mixed_precision=*/false);
     expect_cuda_training_matches_reference(ctx, /*mixed_precision=*/true);
@@ -95,9 +93,7 @@ TEST(Fsdp2Gpu, NcclAtWorldSizeOne) {
 // for the optimizer step.
 TEST(Fsdp2Gpu, InnerBlockOnItsOwnMovesInputsToTheDevice) {
   FSDP2CPP_SKIP_WITHOUT_CUDA();
-  testing::DistributedTestOptions options;
-  options.world_size = 1;
-  options.device_type = c10::kCUDA;
+  const testing::DistributedTestOptions options = testing::cuda_options(1);
   testing::run_distributed(options, [](testing::RankContext& ctx) {
     auto reference = std::static_pointer_cast<Transformer>(make_model(ModelKind::kTransformer));
     auto model = std::static_pointer_cast<Transformer>(make_model(ModelKind::kTransformer));
@@ -118,10 +114,7 @@ TEST(Fsdp2Gpu, InnerBlockOnItsOwnMovesInputsToTheDevice) {
 TEST(Fsdp2Gpu, GlooOnCudaTensorsAtWorldSizesTwoAndThree) {
   FSDP2CPP_SKIP_WITHOUT_CUDA();
   for (int world : {2, 3}) {
-    testing::DistributedTestOptions options;
-    options.world_size = world;
-    options.device_type = c10::kCUDA;
-    options.communicator.backend = collectives::BackendKind::kGloo;
+    const testing::DistributedTestOptions options = testing::cuda_options(world, collectives::BackendKind::kGloo);
     testing::run_distributed(options, [](testing::RankContext& ctx) {
       expect_cuda_training_matches_reference(ctx, /*mixed_precision=*/false);
     });

@@ -103,10 +103,7 @@ struct MeshCase {
 class Hsdp : public ::testing::TestWithParam<MeshCase> {};
 
 TEST_P(Hsdp, MatchesUnshardedTrainingWithAndWithoutAllReduce) {
-  testing::DistributedTestOptions options;
-  options.world_size = static_cast<int>(GetParam().replicas * GetParam().shards);
-  options.mesh_shape = {GetParam().replicas, GetParam().shards};
-  options.mesh_dim_names = {"replicate", "shard"};
+  const testing::DistributedTestOptions options = testing::hsdp_options(GetParam().replicas, GetParam().shards);
   testing::run_distributed(options, [](testing::RankContext& ctx) {
     {
       SCOPED_TRACE("plain HSDP");
@@ -274,10 +271,7 @@ TEST(HsdpErrors, BadMeshesAndOptionsGiveClearErrors) {
 // As in FSDP2, set_requires_gradient_sync(true) turns the HSDP all-reduce
 // back on (it controls both reductions): the gradients are complete.
 TEST(HsdpControls, RequiresGradientSyncAlsoSetsTheAllReduce) {
-  testing::DistributedTestOptions options;
-  options.world_size = 4;
-  options.mesh_shape = {2, 2};
-  options.mesh_dim_names = {"replicate", "shard"};
+  const testing::DistributedTestOptions options = testing::hsdp_options(2, 2);
   testing::run_distributed(options, [](testing::RankContext& ctx) {
     auto reference = make_model(ModelKind::kMlp);
     auto model = make_model(ModelKind::kMlp);

@@ -114,10 +114,7 @@ TEST_P(MultiModule, PairAsOneGroupTrainsLikeTheReferenceWithOneCollectiveEach) {
         model->swap = reference->swap = swap;
         model->skip_b1 = reference->skip_b1 = skip;
         const Batch batch = batch_for(step);
-        ref_optim.zero_grad();
-        at::Tensor ref_loss = reference->forward(batch.x, batch.y);
-        ref_loss.backward();
-        ref_optim.step();
+        at::Tensor ref_loss = train_reference_step(*reference, ref_optim, batch);
 
         optim.zero_grad();
         between_bytes.clear();
@@ -193,10 +190,7 @@ TEST_P(MultiModule, ModuleUsedThroughAnotherMethodTrainsLikeTheReference) {
     for (int step = 0; step < 3; ++step) {
       SCOPED_TRACE("step " + std::to_string(step));
       const Batch batch = batch_for(step);
-      ref_optim.zero_grad();
-      at::Tensor ref_loss = reference->forward(batch.x, batch.y);
-      ref_loss.backward();
-      ref_optim.step();
+      at::Tensor ref_loss = train_reference_step(*reference, ref_optim, batch);
 
       optim.zero_grad();
       root.reset_runtime_stats();

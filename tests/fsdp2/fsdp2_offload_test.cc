@@ -6,6 +6,8 @@
 // 3 with Gloo moving CUDA tensors on one GPU, with the sharded parameters,
 // gradients and optimizer state in (pinned) host memory, gradient
 // accumulation, mixed precision, a model built on the CPU, and state dicts.
+#include <functional>
+
 #include <torch/optim/adamw.h>
 
 #include "fsdp2/clip_grad.h"
@@ -134,6 +136,21 @@ double forward_backward(testing::RankContext& ctx, Transformer& model, int step,
   return total;
 }
 
+// One step of `plain` and `offloaded` on step `step`'s batch (one
+// micro-batch each); `between` runs after both backwards, before the
+// optimizer steps.
+void train_step_both(testing::RankContext& ctx, int step, Transformer& plain, torch::optim::Optimizer& plain_optim,
+                     Transformer& offloaded, torch::optim::Optimizer& optim,
+                     const std::function<void()>& between = {}) {
+  plain_optim.zero_grad();
+  optim.zero_grad();
+  forward_backward(ctx, plain, step, 1);
+  forward_backward(ctx, offloaded, step, 1);
+  if (between) between();
+  plain_optim.step();
+  optim.step();
+}
+
 // Where the sharded state of an offloaded model lives, between steps.
 void expect_on_host(Transformer& model, torch::optim::AdamW& optim, bool pinned, bool after_backward) {
   for (const auto& item : model.named_parameters()) {
@@ -211,19 +228,10 @@ void expect_offload_matches_no_offload(testing::RankContext& ctx, OffloadCase se
   EXPECT_TRUE(offloaded->pos.equal(before));
 }
 
-testing::DistributedTestOptions nccl_one_rank() {
-  testing::DistributedTestOptions options;
-  options.world_size = 1;
-  options.device_type = c10::kCUDA;
-  return options;
-}
+testing::DistributedTestOptions nccl_one_rank() { return testing::cuda_options(1); }
 
 testing::DistributedTestOptions gloo_on_cuda(int world) {
-  testing::DistributedTestOptions options;
-  options.world_size = world;
-  options.device_type = c10::kCUDA;
-  options.communicator.backend = collectives::BackendKind::kGloo;
-  return options;
+  return testing::cuda_options(world, collectives::BackendKind::kGloo);
 }
 
 TEST(Fsdp2OffloadGpu, NcclAtWorldSizeOneMatchesNoOffload) {
@@ -282,17 +290,13 @@ TEST(Fsdp2OffloadGpu, BackwardReturnsAfterTheGradientCopiesToTheHost) {
     auto plain_optim = adamw(*plain);
     auto optim = adamw(*offloaded);
     for (int step = 0; step < 2; ++step) {
-      plain_optim->zero_grad();
-      optim->zero_grad();
-      forward_backward(ctx, *plain, step, 1);
-      forward_backward(ctx, *offloaded, step, 1);
-      auto plain_params = plain->named_parameters();
-      for (const auto& item : offloaded->named_parameters()) {
-        expect_close(item.value().grad(), plain_params[item.key()].grad().cpu(),
-                     item.key() + " grad, step " + std::to_string(step), 1e-5, 1e-6);
-      }
-      plain_optim->step();
-      optim->step();
+      train_step_both(ctx, step, *plain, *plain_optim, *offloaded, *optim, [&] {
+        auto plain_params = plain->named_parameters();
+        for (const auto& item : offloaded->named_parameters()) {
+          expect_close(item.value().grad(), plain_params[item.key()].grad().cpu(),
+                       item.key() + " grad, step " + std::to_string(step), 1e-5, 1e-6);
+        }
+      });
     }
   });
 #endif
@@ -327,14 +331,7 @@ TEST(Fsdp2OffloadGpu, StateDictsMatchNoOffloadAndLoadIntoTheHostShards) {
     auto offloaded = sharded_transformer(ctx, offload_setup);
     auto plain_optim = adamw(*plain);
     auto optim = adamw(*offloaded);
-    for (int step = 0; step < 2; ++step) {
-      plain_optim->zero_grad();
-      optim->zero_grad();
-      forward_backward(ctx, *plain, step, 1);
-      forward_backward(ctx, *offloaded, step, 1);
-      plain_optim->step();
-      optim->step();
-    }
+    for (int step = 0; step < 2; ++step) train_step_both(ctx, step, *plain, *plain_optim, *offloaded, *optim);
     // Sharded: DTensors on the mesh's device holding this rank's rows.
     const StateDict sharded = get_model_state_dict(*offloaded);
     auto params = offloaded->named_parameters();

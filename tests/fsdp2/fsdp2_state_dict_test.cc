@@ -236,10 +236,7 @@ TEST_P(ModelStateDict, LoadsFromFullBroadcastAndReshardedStateDicts) {
 INSTANTIATE_TEST_SUITE_P(WorldSizes, ModelStateDict, ::testing::Values(1, 2, 3, 4));
 
 TEST(ModelStateDictHsdp, ReplicateShardPlacementsAndLoadFromA1DMesh) {
-  testing::DistributedTestOptions options;
-  options.world_size = 4;
-  options.mesh_shape = {2, 2};
-  options.mesh_dim_names = {"replicate", "shard"};
+  const testing::DistributedTestOptions options = testing::hsdp_options(2, 2);
   testing::run_distributed(options, [](testing::RankContext& ctx) {
     auto reference = make_model(ModelKind::kMlp);
     auto model = sharded_mlp(ctx.mesh());
@@ -539,9 +536,7 @@ TEST(StateDictSpecialParams, TiedZeroDimBuffersAndUnshardedModels) {
     auto model = std::make_shared<TiedImpl>();
     torch::manual_seed(1);
     auto reference = std::make_shared<TiedImpl>();
-    FullyShardOptions fs;
-    fs.mesh = ctx.mesh();
-    fully_shard(model, fs);
+    fully_shard(model, mesh_options(ctx));
     StateDict sd = get_model_state_dict(*model);
     ASSERT_EQ(sd.keys(), expected_keys);
     // The tied weight: one DTensor's storage under both FQNs.

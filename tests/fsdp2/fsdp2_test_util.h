@@ -104,6 +104,17 @@ inline FullyShardOptions mesh_options(testing::RankContext& ctx) {
   return o;
 }
 
+// One optimizer step of an unsharded reference on the whole `batch`: zero
+// the gradients, forward, backward, step. Returns the loss.
+template <typename Model>
+at::Tensor train_reference_step(Model& reference, torch::optim::Optimizer& optim, const Batch& batch) {
+  optim.zero_grad();
+  at::Tensor loss = reference.forward(batch.x, batch.y);
+  loss.backward();
+  optim.step();
+  return loss;
+}
+
 // The mean over ranks of a per-rank scalar.
 inline double mean_over_ranks(testing::RankContext& ctx, double value) {
   at::Tensor t = at::full({1}, value, at::kDouble);

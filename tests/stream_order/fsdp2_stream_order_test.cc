@@ -17,6 +17,7 @@
 #include <cstdio>
 
 #include "stream_order_util.h"
+#include "torch_save_load.h"  // tests/fsdp2
 
 namespace fsdp::test {
 namespace {
@@ -181,12 +182,8 @@ TEST_P(StreamOrder, TorchLoadIsAdoptedWithoutRace) {
     stream_check::Checker checker;
     Sharded trained = shard_transformer(ctx);
     train_and_compare(ctx, trained, 1);
-    const std::string path = ::testing::TempDir() + "/stream_order_" + std::to_string(::getpid()) + ".pt";
-    torch::save(std::static_pointer_cast<torch::nn::Module>(trained.model), path);
     Sharded loaded = shard_transformer(ctx);
-    auto base = std::static_pointer_cast<torch::nn::Module>(loaded.model);
-    torch::load(base, path);
-    std::remove(path.c_str());
+    torch_save_and_load(trained.model, loaded.model, "stream_order");
     const Batch batch = make_batch(ModelKind::kTransformer, 5, kRows);
     c10::NoGradGuard no_grad;
     EXPECT_EQ(call_module(*loaded.model, batch.x, batch.y).item<double>(),
@@ -265,12 +262,8 @@ TEST_P(StreamOrder, ResetIterStateAfterAThrow) {
 // stream, read by the next copy-in), on 4 ranks.
 TEST(StreamOrderFourRanks, HsdpAndReshardToHalfTheWorld) {
   for (bool hsdp : {true, false}) {
-    testing::DistributedTestOptions options;
-    options.world_size = 4;
-    if (hsdp) {
-      options.mesh_shape = {2, 2};
-      options.mesh_dim_names = {"replicate", "shard"};
-    }
+    const testing::DistributedTestOptions options =
+        rank_options(4, hsdp ? std::vector<int64_t>{2, 2} : std::vector<int64_t>{});
     testing::run_distributed(options, [hsdp](testing::RankContext& ctx) {
       stream_check::Checker checker;
       FullyShardOptions o;
@@ -282,10 +275,7 @@ TEST(StreamOrderFourRanks, HsdpAndReshardToHalfTheWorld) {
   }
   // HSDP with the optimizer in backward: the hooks run on the all-reduce
   // stream, which only the post-reduce event orders before the next forward.
-  testing::DistributedTestOptions options;
-  options.world_size = 4;
-  options.mesh_shape = {2, 2};
-  options.mesh_dim_names = {"replicate", "shard"};
+  const testing::DistributedTestOptions options = testing::hsdp_options(2, 2);
   testing::run_distributed(options, expect_optimizer_in_backward_has_no_race);
 }
 

@@ -100,6 +100,14 @@ Programs default_programs() {
           FSDP_BENCH_MALLOC_COUNTER};
 }
 
+Programs programs_with(const std::string& trainer, const std::string& python, const std::string& script) {
+  Programs programs = default_programs();
+  if (!trainer.empty()) programs.trainer = trainer;
+  if (!python.empty()) programs.python = python;
+  if (!script.empty()) programs.script = script;
+  return programs;
+}
+
 namespace {
 
 std::vector<std::string> shape_flags(const TrainShape& shape, const RunOptions& options) {

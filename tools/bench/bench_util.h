@@ -81,6 +81,9 @@ struct Programs {
   std::string malloc_counter;
 };
 Programs default_programs();
+// default_programs() with each non-empty argument in place of its default
+// (the benchmarks' --trainer, --python and --script flags).
+Programs programs_with(const std::string& trainer, const std::string& python, const std::string& script);
 
 // The trainer's model and batch: fsdp_train's flags of the same names.
 struct TrainShape {

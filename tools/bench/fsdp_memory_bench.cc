@@ -65,10 +65,8 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("peak memory per extra block, fsdp2cpp vs PyTorch FSDP2 (see docs/benchmarks.md)");
   const std::vector<std::string> args = fsdp_train::parse_command_line(argc, argv);
 
-  bench::Programs programs = bench::default_programs();
-  if (!absl::GetFlag(FLAGS_trainer).empty()) programs.trainer = absl::GetFlag(FLAGS_trainer);
-  if (!absl::GetFlag(FLAGS_python).empty()) programs.python = absl::GetFlag(FLAGS_python);
-  if (!absl::GetFlag(FLAGS_script).empty()) programs.script = absl::GetFlag(FLAGS_script);
+  const bench::Programs programs =
+      bench::programs_with(absl::GetFlag(FLAGS_trainer), absl::GetFlag(FLAGS_python), absl::GetFlag(FLAGS_script));
 
   const bool quick = absl::GetFlag(FLAGS_quick);
   const int nproc = absl::GetFlag(FLAGS_nproc);

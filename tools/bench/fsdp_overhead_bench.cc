@@ -167,9 +167,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "fsdp_overhead_bench: --nproc, --groups, --width, --rows, --steps must be >= 1\n");
     return 2;
   }
-  bench::Programs programs = bench::default_programs();
-  if (!absl::GetFlag(FLAGS_python).empty()) programs.python = absl::GetFlag(FLAGS_python);
-  if (!absl::GetFlag(FLAGS_script).empty()) programs.script = absl::GetFlag(FLAGS_script);
+  const bench::Programs programs =
+      bench::programs_with(/*trainer=*/"", absl::GetFlag(FLAGS_python), absl::GetFlag(FLAGS_script));
 
   // Ours: the ranks run as children (the trainer's launcher); rank 0 writes
   // its figures to a scratch file.

@@ -15,6 +15,25 @@
 //
 // Outputs are only valid after wait(): some reductions finish with a scale
 // applied at wait time (see reduce_op.h).
+//
+// Errors: wait() throws one of the types of errors.h, each a CollectiveError
+// (a c10::Error) whose message names the collective and its group, so that a
+// caller decides by type:
+//   CollectiveTimeout   wait(timeout)'s own timeout passed first; the
+//                       collective is still in flight and wait() may be
+//                       called again (retryable).
+//   CollectiveDiverged  the divergence monitor's diagnosis (divergence.h): a
+//                       wait that blocked past the divergence timeout, or a
+//                       failure traced to ranks that issued different
+//                       collectives. The communicator is unusable.
+//   CollectiveFailed    the engine failed otherwise: a peer exited, crashed
+//                       or aborted, a connection broke, the engine's own
+//                       timeout. The communicator is unusable.
+// Errors at issue (a tensor on the wrong device, sizes that do not fit) are
+// thrown by the Communicator operation itself as plain c10::Errors.
+//
+// A Work is [[nodiscard]]: dropping one skips its finishing step (Gloo's AVG
+// divide, a custom all-gather's dequantization) and any error it would throw.
 #pragma once
 
 #include <chrono>
@@ -37,7 +56,7 @@ namespace detail {
 class DivergenceMonitor;
 }
 
-class Work {
+class [[nodiscard]] Work {
  public:
   // No timeout: wait as long as the communicator's own timeout allows.
   static constexpr std::chrono::milliseconds kDefaultTimeout{0};
@@ -56,14 +75,17 @@ class Work {
 
   // Waits for the collective (see the stream contract above) and then runs
   // the finishing step. Idempotent: the finishing step runs once. Throws
-  // c10::Error naming the collective when it failed, a peer died, or
-  // `timeout` (when non-zero) passed; after a timeout the collective is still
-  // in flight and wait() may be called again. A wait without a timeout that
-  // blocks the host (Gloo) for the World's divergence timeout (divergence.h)
-  // throws the diagnosis of the ranks' flight recorders instead; the
-  // communicator is unusable after that. A wait with a timeout is bounded by
-  // its caller and not watched; on NCCL it blocks the host (see above), so
-  // the runtime never passes one.
+  // (errors.h, all CollectiveError, a c10::Error naming the collective):
+  // CollectiveTimeout when `timeout` (when non-zero) passed; the collective
+  // is still in flight and wait() may be called again. CollectiveDiverged
+  // when a wait without a timeout that blocks the host (Gloo) lasted the
+  // World's divergence timeout (divergence.h), or the collective failed and
+  // the monitor traced it to diverged ranks; the message is the diagnosis of
+  // the ranks' flight recorders. CollectiveFailed when the collective failed
+  // otherwise (a peer died, a connection broke). After either of the last two
+  // the communicator is unusable. A wait with a timeout is bounded by its
+  // caller and not watched; on NCCL it blocks the host (see above), so the
+  // runtime never passes one.
   void wait(std::chrono::milliseconds timeout = kDefaultTimeout);
 
   // Appends a finishing step, run once inside wait() after the collective
@@ -77,8 +99,8 @@ class Work {
   // True when the collective has completed (successfully or not). Never blocks.
   bool is_completed() const;
 
-  // The error of a failed collective (a c10::Error naming it), or nullptr
-  // while it runs or when it succeeded.
+  // The error of a failed collective (a CollectiveFailed naming it), or
+  // nullptr while it runs or when it succeeded.
   std::exception_ptr exception() const;
 
   // What this work does, e.g. "reduce_scatter_tensor(AVG) on gloo[0,1,2]".

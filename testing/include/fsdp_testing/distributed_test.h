@@ -24,6 +24,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
@@ -48,6 +49,19 @@ struct DistributedTestOptions {
   // Whole-run deadline, after which every rank still running is killed.
   std::chrono::seconds timeout{180};
 };
+
+// hsdp_options
+//
+// The options of an HSDP test: `replicas * shards` ranks, and a mesh of shape
+// {replicas, shards} named {"replicate", "shard"}, as fully_shard wants a 2-D
+// mesh; the other fields default. hsdp_options(2, 2) is the usual 2x2.
+DistributedTestOptions hsdp_options(int64_t replicas, int64_t shards);
+
+// cuda_options
+//
+// The options of a test on `world_size` CUDA ranks: with kAuto, NCCL (one
+// GPU per rank); with kGloo, Gloo moving CUDA tensors (ranks may share a GPU).
+DistributedTestOptions cuda_options(int world_size, collectives::BackendKind backend = collectives::BackendKind::kAuto);
 
 // What one rank sees inside the test body.
 class RankContext {
