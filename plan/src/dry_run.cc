@@ -470,8 +470,10 @@ void DryRun::Recorder::mark_live_optimizer_state() {
   }
 }
 
-DryRun::DryRun(DryRunOptions options) : options_(std::move(options)) {
-  const DryRunOptions& o = options_;
+namespace {
+
+// The mesh's shape, after checking `o` (c10::Error naming the option).
+std::vector<int64_t> checked_mesh_shape(const DryRunOptions& o) {
   TORCH_CHECK(o.world_size >= 1, "fsdp_plan: DryRunOptions::world_size is ", o.world_size, "; it must be at least 1");
   TORCH_CHECK(o.rank >= 0 && o.rank < o.world_size, "fsdp_plan: DryRunOptions::rank ", o.rank,
               " is out of range for world size ", o.world_size, " (expected 0 <= rank < world_size)");
@@ -488,6 +490,51 @@ DryRun::DryRun(DryRunOptions options) : options_(std::move(options)) {
   TORCH_CHECK(o.engine == fsdp::collectives::BackendKind::kNccl || o.engine == fsdp::collectives::BackendKind::kGloo,
               "fsdp_plan: DryRunOptions::engine must be kNccl or kGloo (got ", fsdp::collectives::to_string(o.engine),
               ")");
+  return shape;
+}
+
+// A communicator of the dry run over the global ranks `members` (a 1-D
+// tensor), recording each collective it issues into `r`.
+std::shared_ptr<fsdp::collectives::Communicator> dry_communicator(const DryRunOptions& o, const at::Tensor& members,
+                                                                  DryRun::Recorder* r) {
+  std::vector<int> global;
+  for (int64_t i = 0; i < members.numel(); ++i) global.push_back(static_cast<int>(members[i].item<int64_t>()));
+  const int group_rank = static_cast<int>(std::find(global.begin(), global.end(), o.rank) - global.begin());
+  const std::string name =
+      fsdp::collectives::to_string(o.engine) + "[" +
+      (global.size() <= 8 ? c10::Join(",", global) : c10::str(global.front(), ",...,", global.back())) + "]";
+  const int size = static_cast<int>(global.size());
+  auto backend = detail::make_dry_backend(
+      group_rank, size, o.engine == fsdp::collectives::BackendKind::kGloo,
+      [r, name, size, members = std::make_shared<const std::vector<int>>(global)](
+          const char* op, int64_t bytes, const std::vector<at::Tensor>& reads, const std::vector<at::Tensor>& writes) {
+        std::lock_guard<std::mutex> lock(g_mutex);
+        if (g_recorder != r) return;
+        r->collectives.push_back(CollectiveRecord{op, name, size, bytes, r->step, r->current_phase()});
+        OpRecord record;
+        record.kind = OpRecord::Kind::kCollective;
+        record.name = op;
+        record.bytes = bytes;
+        record.group = members;
+        record.stream = stream_of(phase_of(r->current_phase()));
+        if (record.stream == 0) record.stream = 5;
+        for (const at::Tensor& t : reads) {
+          if (const int64_t a = r->allocation_of(t); a >= 0) record.reads.push_back(a);
+        }
+        for (const at::Tensor& t : writes) {
+          if (const int64_t a = r->allocation_of(t); a >= 0) record.writes.push_back(a);
+        }
+        r->add_op(std::move(record));
+      });
+  return std::make_shared<fsdp::collectives::Communicator>(std::move(backend), o.engine, c10::kMeta, group_rank, global,
+                                                           fsdp::collectives::CommunicatorOptions{});
+}
+
+}  // namespace
+
+DryRun::DryRun(DryRunOptions options) : options_(std::move(options)) {
+  const DryRunOptions& o = options_;
+  const std::vector<int64_t> shape = checked_mesh_shape(o);
 
   static std::once_flag installed;
   std::call_once(installed, [] { c10::SetAllocator(c10::kMeta, &g_meta_allocator, /*priority=*/1); });
@@ -512,40 +559,7 @@ DryRun::DryRun(DryRunOptions options) : options_(std::move(options)) {
                                                     "dry run", rendezvous);
   const at::Tensor layout = at::arange(o.world_size, at::kLong).view(shape);
   Recorder* r = recorder_.get();
-  auto group = [&](const at::Tensor& members) {
-    std::vector<int> global;
-    for (int64_t i = 0; i < members.numel(); ++i) global.push_back(static_cast<int>(members[i].item<int64_t>()));
-    const int group_rank = static_cast<int>(std::find(global.begin(), global.end(), o.rank) - global.begin());
-    const std::string name =
-        fsdp::collectives::to_string(o.engine) + "[" +
-        (global.size() <= 8 ? c10::Join(",", global) : c10::str(global.front(), ",...,", global.back())) + "]";
-    const int size = static_cast<int>(global.size());
-    auto backend = detail::make_dry_backend(
-        group_rank, size, o.engine == fsdp::collectives::BackendKind::kGloo,
-        [r, name, size, members = std::make_shared<const std::vector<int>>(global)](
-            const char* op, int64_t bytes, const std::vector<at::Tensor>& reads,
-            const std::vector<at::Tensor>& writes) {
-          std::lock_guard<std::mutex> lock(g_mutex);
-          if (g_recorder != r) return;
-          r->collectives.push_back(CollectiveRecord{op, name, size, bytes, r->step, r->current_phase()});
-          OpRecord record;
-          record.kind = OpRecord::Kind::kCollective;
-          record.name = op;
-          record.bytes = bytes;
-          record.group = members;
-          record.stream = stream_of(phase_of(r->current_phase()));
-          if (record.stream == 0) record.stream = 5;
-          for (const at::Tensor& t : reads) {
-            if (const int64_t a = r->allocation_of(t); a >= 0) record.reads.push_back(a);
-          }
-          for (const at::Tensor& t : writes) {
-            if (const int64_t a = r->allocation_of(t); a >= 0) record.writes.push_back(a);
-          }
-          r->add_op(std::move(record));
-        });
-    return std::make_shared<fsdp::collectives::Communicator>(std::move(backend), o.engine, c10::kMeta, group_rank,
-                                                             global, fsdp::collectives::CommunicatorOptions{});
-  };
+  auto group = [&](const at::Tensor& members) { return dry_communicator(o, members, r); };
   if (shape.size() == 1) {
     mesh_.emplace(fsdp::DeviceMesh::from_communicators(world, layout, {group(layout)}, {"shard"}));
   } else {

@@ -226,36 +226,16 @@ std::optional<DeviceProfile> device_profile(const std::string& name) {
 
 std::vector<std::string> device_profile_names() { return {"h100", "h100-hbm2e-500w", "h200"}; }
 
-DeviceProfile measure_cpu_profile(int ranks, int threads, const std::vector<OpRecord>& ops) {
-  TORCH_CHECK(ranks >= 1 && threads >= 1, "fsdp_plan: measure_cpu_profile needs ranks >= 1 and threads >= 1 (got ",
-              ranks, " and ", threads, ")");
-  const int previous_threads = at::get_num_threads();
-  at::set_num_threads(threads);
-  DeviceProfile p;
-  p.name = "cpu";
-  p.host_computes = true;
-  // A float32 matmul of the trainer's sizes, a causal attention, a copy much
-  // larger than the caches, and an op on one element (the fixed cost).
-  const at::Tensor a = at::randn({256, 256}), b = at::randn({256, 256});
-  const double mm_s = median_seconds(9, [&] { (void)at::mm(a, b); });
-  const double matmul_rate = 2.0 * 256 * 256 * 256 / mm_s;
-  const at::Tensor q = at::randn({1, 4, 256, 32});
-  const double attention_s =
-      median_seconds(9, [&] { (void)at::scaled_dot_product_attention(q, q, q, {}, 0.0, /*is_causal=*/true); });
-  const double attention_rate = 4.0 * 4 * 256 * 256 * 32 / 2 / attention_s;
-  const at::Tensor big = at::ones({8 << 20});
-  at::Tensor copy = at::empty({8 << 20});
-  const double copy_s = median_seconds(5, [&] { copy.copy_(big); });
-  const at::Tensor one = at::ones({1});
-  const double op_s = median_seconds(201, [&] { (void)at::add(one, one); });
-  const double cores = std::max(1u, std::thread::hardware_concurrency());
-  const double oversubscribed = std::max(1.0, static_cast<double>(ranks) * threads / cores);
-  // Every distinct kernel, timed by `ranks` threads at once as the job's
-  // ranks would run them side by side (their contention for the cores and
-  // the memory is measured, not modelled); rank 0's times are kept.
+namespace {
+
+// Every distinct kernel of `ops` (by its call's signature), timed by `ranks`
+// threads at once as the job's ranks would run them side by side (their
+// contention for the cores and the memory is measured, not modelled); rank
+// 0's times are kept. `untimed` counts the kernels left to the roofline.
+std::shared_ptr<std::unordered_map<std::string, double>> time_distinct_kernels(const std::vector<OpRecord>& ops,
+                                                                               int ranks, int64_t& untimed) {
   std::vector<const OpRecord*> distinct;
   std::set<std::string> seen;
-  int64_t untimed = 0;
   for (const OpRecord& op : ops) {
     if (op.kind != OpRecord::Kind::kKernel) continue;
     if (!op.call || op.bytes > (int64_t{256} << 20)) {
@@ -275,18 +255,32 @@ DeviceProfile measure_cpu_profile(int ranks, int threads, const std::vector<OpRe
     for (std::thread& t : others) t.join();
   }
   auto measured = std::make_shared<std::unordered_map<std::string, double>>();
-  int64_t timed = 0;
   for (size_t i = 0; i < distinct.size(); ++i) {
     if (const std::optional<double>& seconds = times[0][i]) {
       (*measured)[distinct[i]->call->signature] = *seconds;
-      ++timed;
     } else {
       ++untimed;
     }
   }
-  at::set_num_threads(previous_threads);
-  p.measured_kernels = std::move(measured);
+  return measured;
+}
 
+// The roofline of this CPU for the kernels that cannot run again: a float32
+// matmul of the trainer's sizes, a causal attention, a copy much larger than
+// the caches, and an op on one element (the fixed cost), divided among
+// `oversubscribed` ranks per core.
+void measure_roofline(double oversubscribed, DeviceProfile& p) {
+  const at::Tensor a = at::randn({256, 256}), b = at::randn({256, 256});
+  const double matmul_rate = 2.0 * 256 * 256 * 256 / median_seconds(9, [&] { (void)at::mm(a, b); });
+  const at::Tensor q = at::randn({1, 4, 256, 32});
+  const double attention_s =
+      median_seconds(9, [&] { (void)at::scaled_dot_product_attention(q, q, q, {}, 0.0, /*is_causal=*/true); });
+  const double attention_rate = 4.0 * 4 * 256 * 256 * 32 / 2 / attention_s;
+  const at::Tensor big = at::ones({8 << 20});
+  at::Tensor copy = at::empty({8 << 20});
+  const double copy_s = median_seconds(5, [&] { copy.copy_(big); });
+  const at::Tensor one = at::ones({1});
+  const double op_s = median_seconds(201, [&] { (void)at::add(one, one); });
   p.peak_flops_fp32 = matmul_rate / oversubscribed;
   p.peak_flops_bf16 = p.peak_flops_fp32;  // bf16 on a CPU: measured as fp32 (an estimate)
   p.matmul_efficiency = 1;
@@ -294,7 +288,24 @@ DeviceProfile measure_cpu_profile(int ranks, int threads, const std::vector<OpRe
   p.memory_bandwidth = 2.0 * static_cast<double>(big.nbytes()) / copy_s / oversubscribed;
   p.memory_efficiency = 1;
   p.kernel_overhead_s = op_s * oversubscribed;
+}
+
+}  // namespace
+
+DeviceProfile measure_cpu_profile(int ranks, int threads, const std::vector<OpRecord>& ops) {
+  TORCH_CHECK(ranks >= 1 && threads >= 1, "fsdp_plan: measure_cpu_profile needs ranks >= 1 and threads >= 1 (got ",
+              ranks, " and ", threads, ")");
+  const int previous_threads = at::get_num_threads();
+  at::set_num_threads(threads);
+  DeviceProfile p;
+  p.name = "cpu";
+  p.host_computes = true;
   p.host_launch_s = 0;
+  const double cores = std::max(1u, std::thread::hardware_concurrency());
+  measure_roofline(std::max(1.0, static_cast<double>(ranks) * threads / cores), p);
+  int64_t untimed = 0;
+  p.measured_kernels = time_distinct_kernels(ops, ranks, untimed);
+  at::set_num_threads(previous_threads);
   // Gloo over loopback, as docs/benchmarks.md measured it on this project's
   // 2-core machine (fsdp_overhead_bench: about 300 us per collective of
   // nothing at two ranks); its bandwidth is an estimate (loopback TCP with
@@ -307,9 +318,9 @@ DeviceProfile measure_cpu_profile(int ranks, int threads, const std::vector<OpRe
   p.inter_node_hop_s = 0;
   char sources[320];
   std::snprintf(sources, sizeof(sources),
-                "measured now with %d threads for %d ranks on %.0f cores: %lld distinct kernels timed (%lld by the "
+                "measured now with %d threads for %d ranks on %.0f cores: %zu distinct kernels timed (%lld by the "
                 "roofline: %.1f GFLOP/s, %.1f GB/s, %.1f us per op); Gloo figures from docs/benchmarks.md",
-                threads, ranks, cores, static_cast<long long>(timed), static_cast<long long>(untimed),
+                threads, ranks, cores, p.measured_kernels->size(), static_cast<long long>(untimed),
                 p.peak_flops_fp32 / 1e9, p.memory_bandwidth / 1e9, p.kernel_overhead_s * 1e6);
   p.sources = sources;
   return p;
@@ -327,18 +338,12 @@ std::string stream_name(int stream) {
   return "stream " + std::to_string(stream);
 }
 
-StepTime simulate(const std::vector<OpRecord>& ops, int64_t step, const TimelineOptions& options) {
-  const DeviceProfile& p = options.device;
-  check_profile(p);
-  std::set<int64_t> steps;
-  for (const OpRecord& op : ops) steps.insert(op.step);
-  TORCH_CHECK(steps.count(step) > 0, "fsdp_plan: simulate: no op of step ", step,
-              " was recorded (steps present: ", c10::Join(", ", std::vector<int64_t>(steps.begin(), steps.end())),
-              "); run that many steps in the dry run");
+namespace {
 
-  StepTime out;
-  out.device = p.name;
-  out.step = step;
+// The discrete-event simulation: every op of `ops` on the timeline, in order.
+std::vector<TimedOp> run_timeline(const std::vector<OpRecord>& ops, const DeviceProfile& p) {
+  std::vector<TimedOp> out;
+  out.reserve(ops.size());
   std::vector<double> stream_free(kStreamCount, 0.0);
   std::unordered_map<int64_t, double> written_at, accessed_at;  // by allocation: when its last writer / accessor ends
   double host = 0;
@@ -350,7 +355,6 @@ StepTime simulate(const std::vector<OpRecord>& ops, int64_t step, const Timeline
   // previous group's reduce-scatter (FSDP2's one reduce-scatter input in
   // flight). Both are kept here as the end of the last such op issued.
   double copy_out_end = 0, reduce_scatter_end = 0;
-  out.ops.reserve(ops.size());
   for (const OpRecord& op : ops) {
     const bool collective = op.kind == OpRecord::Kind::kCollective;
     // On a CPU the kernels run on the host thread and the engine runs every
@@ -368,27 +372,17 @@ StepTime simulate(const std::vector<OpRecord>& ops, int64_t step, const Timeline
       if (stream == 1 || stream == 2) ready = std::max(ready, copy_out_end);
       if (op.fsdp_phase.rfind("FSDP::reduce_scatter_copy_in", 0) == 0) ready = std::max(ready, reduce_scatter_end);
     }
-    TimedOp t;
-    t.name = op.name;
-    t.fsdp_phase = op.fsdp_phase;
-    t.step = op.step;
-    t.step_phase = op.step_phase;
-    t.stream = stream;
-    t.collective = collective;
-    t.flops = op.flops;
-    t.bytes = op.bytes;
-    t.issue_s = host;
+    TimedOp t{op.name, op.fsdp_phase, op.step, op.step_phase, stream, collective, host, 0, 0, op.flops, op.bytes};
     const double cost = collective ? collective_seconds(op, p) : kernel_seconds(op, p);
     if (p.host_computes && !collective) {
       t.start_s = std::max(host, ready);
-      t.end_s = t.start_s + cost;
-      host = t.end_s;
+      host = t.start_s + cost;
     } else {
       host += p.host_launch_s;
       t.start_s = std::max({host, ready, stream_free[static_cast<size_t>(stream)]});
-      t.end_s = t.start_s + cost;
-      stream_free[static_cast<size_t>(stream)] = t.end_s;
+      stream_free[static_cast<size_t>(stream)] = t.start_s + cost;
     }
+    t.end_s = t.start_s + cost;
     if (op.fsdp_phase.rfind("FSDP::all_gather_copy_out", 0) == 0) copy_out_end = std::max(copy_out_end, t.end_s);
     if (collective && stream == 3) reduce_scatter_end = t.end_s;
     for (int64_t a : op.reads) accessed_at[a] = std::max(accessed_at[a], t.end_s);
@@ -396,16 +390,32 @@ StepTime simulate(const std::vector<OpRecord>& ops, int64_t step, const Timeline
       written_at[a] = t.end_s;
       accessed_at[a] = std::max(accessed_at[a], t.end_s);
     }
-    out.ops.push_back(std::move(t));
+    out.push_back(std::move(t));
   }
+  return out;
+}
+
+}  // namespace
+
+StepTime simulate(const std::vector<OpRecord>& ops, int64_t step, const TimelineOptions& options) {
+  const DeviceProfile& p = options.device;
+  check_profile(p);
+  std::set<int64_t> steps;
+  for (const OpRecord& op : ops) steps.insert(op.step);
+  TORCH_CHECK(steps.count(step) > 0, "fsdp_plan: simulate: no op of step ", step,
+              " was recorded (steps present: ", c10::Join(", ", std::vector<int64_t>(steps.begin(), steps.end())),
+              "); run that many steps in the dry run");
+  StepTime out;
+  out.device = p.name;
+  out.step = step;
+  out.ops = run_timeline(ops, p);
 
   double from = 0, to = 0;
   std::vector<Interval> compute, communication;
   std::vector<TimedOp> of_step;
-  for (size_t i = 0; i < ops.size(); ++i) {
-    const TimedOp& t = out.ops[i];
-    if (ops[i].step < step) from = std::max(from, t.end_s);
-    if (ops[i].step != step) continue;
+  for (const TimedOp& t : out.ops) {
+    if (t.step < step) from = std::max(from, t.end_s);
+    if (t.step != step) continue;
     to = std::max(to, t.end_s);
     (t.collective ? communication : compute).emplace_back(t.start_s, t.end_s);
     out.flops += t.flops;

@@ -245,7 +245,9 @@ int python_blocks_in_docs() {
 TEST(CheckpointPython, EveryPythonBlockOfTheDocsRuns) {
   SKIP_WITHOUT_PYTHON();
   ckpt_test::SharedDir work;
-  if (!fsdp::testing::is_rank_process()) ASSERT_EQ(::mkdir((work / "hf").c_str(), 0755), 0);
+  if (!fsdp::testing::is_rank_process()) {
+    ASSERT_EQ(::mkdir((work / "hf").c_str(), 0755), 0);
+  }
   fsdp::testing::run_distributed(2, [&](RankContext& ctx) {
     const std::vector<std::pair<std::string, std::vector<int64_t>>> params = {
         {"0.weight", {4, 3}}, {"0.bias", {4}}, {"2.weight", {2, 4}}, {"2.bias", {2}}};

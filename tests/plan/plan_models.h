@@ -10,6 +10,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/ops/cross_entropy_loss.h>
@@ -80,19 +81,23 @@ struct DeepMLP : torch::nn::Module {
   torch::nn::Linear head{nullptr};
 };
 
-inline Runner mlp_runner(const fsdp::DeviceMesh& mesh, const c10::Device& device) {
-  auto model = std::make_shared<DeepMLP>();
+// `model` on `device`, each of its blocks sharded and then the root, AdamW,
+// and a step of cross-entropy on the batch `make_batch` gives (inputs and
+// class targets).
+template <typename Model>
+Runner classifier_runner(std::string name, std::shared_ptr<Model> model, const fsdp::DeviceMesh& mesh,
+                         const c10::Device& device,
+                         std::function<std::pair<at::Tensor, at::Tensor>(const c10::Device&)> make_batch) {
   model->to(device);
   fsdp::FullyShardOptions options;
   options.mesh = mesh;
   for (auto& b : model->blocks) fsdp::fully_shard(b, options);
   fsdp::fully_shard(model, options);
   auto optim = std::make_shared<torch::optim::AdamW>(model->parameters(), torch::optim::AdamWOptions(1e-3));
-  return {"deep MLP", model, [model, optim, device](const PhaseFn& phase) {
+  return {std::move(name), model, [model, optim, device, make_batch](const PhaseFn& phase) {
             phase(StepPhase::kForward);
             optim->zero_grad();
-            const at::Tensor x = at::randn({64, 700}, at::device(device));
-            const at::Tensor y = at::randint(10, {64}, at::device(device).dtype(at::kLong));
+            const auto [x, y] = make_batch(device);
             at::Tensor loss = at::cross_entropy_loss(fsdp::call_module(*model, x), y);
             phase(StepPhase::kBackward);
             loss.backward();
@@ -100,6 +105,14 @@ inline Runner mlp_runner(const fsdp::DeviceMesh& mesh, const c10::Device& device
             phase(StepPhase::kOptimizer);
             optim->step();
           }};
+}
+
+inline Runner mlp_runner(const fsdp::DeviceMesh& mesh, const c10::Device& device) {
+  return classifier_runner("deep MLP", std::make_shared<DeepMLP>(), mesh, device, [](const c10::Device& d) {
+    at::Tensor x = at::randn({64, 700}, at::device(d));
+    at::Tensor y = at::randint(10, {64}, at::device(d).dtype(at::kLong));
+    return std::make_pair(std::move(x), std::move(y));
+  });
 }
 
 struct MixerBlockImpl : torch::nn::Module {
@@ -132,25 +145,11 @@ struct Mixer : torch::nn::Module {
 };
 
 inline Runner mixer_runner(const fsdp::DeviceMesh& mesh, const c10::Device& device) {
-  auto model = std::make_shared<Mixer>();
-  model->to(device);
-  fsdp::FullyShardOptions options;
-  options.mesh = mesh;
-  for (auto& b : model->blocks) fsdp::fully_shard(b, options);
-  fsdp::fully_shard(model, options);
-  auto optim = std::make_shared<torch::optim::AdamW>(model->parameters(), torch::optim::AdamWOptions(1e-3));
-  return {"mixer", model, [model, optim, device](const PhaseFn& phase) {
-            phase(StepPhase::kForward);
-            optim->zero_grad();
-            const at::Tensor tokens = at::randint(1000, {8, 32}, at::device(device).dtype(at::kLong));
-            const at::Tensor y = at::randint(7, {8}, at::device(device).dtype(at::kLong));
-            at::Tensor loss = at::cross_entropy_loss(fsdp::call_module(*model, tokens), y);
-            phase(StepPhase::kBackward);
-            loss.backward();
-            loss.reset();
-            phase(StepPhase::kOptimizer);
-            optim->step();
-          }};
+  return classifier_runner("mixer", std::make_shared<Mixer>(), mesh, device, [](const c10::Device& d) {
+    at::Tensor tokens = at::randint(1000, {8, 32}, at::device(d).dtype(at::kLong));
+    at::Tensor y = at::randint(7, {8}, at::device(d).dtype(at::kLong));
+    return std::make_pair(std::move(tokens), std::move(y));
+  });
 }
 
 using RunnerFactory = Runner (*)(const fsdp::DeviceMesh&, const c10::Device&);

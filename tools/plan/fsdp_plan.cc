@@ -195,125 +195,162 @@ void print_comparison(const fsdp_train::TrainConfig& base, const fsdp_plan::DryR
   }
 }
 
+// What the flags ask for, checked.
+struct Request {
+  fsdp_train::TrainConfig config;
+  fsdp_plan::DryRunOptions options;
+  std::string engine;
+  int64_t memory_bytes = 0;  // 0: no --memory-per-gpu
+  int steps = 2;
+  int64_t local_batch = 0;
+};
+
+// The request the flags make; nullopt (after printing which flag is wrong)
+// when they do not make one.
+std::optional<Request> request_from_flags() {
+  Request r;
+  r.config = config_from_flags();
+  const int world_size = absl::GetFlag(FLAGS_world_size);
+  if (world_size < 1) {
+    std::fprintf(stderr, "fsdp_plan: --world-size must be at least 1 (got %d)\n", world_size);
+    return std::nullopt;
+  }
+  if (const absl::Status ok = fsdp_train::validate(r.config, world_size); !ok.ok()) {
+    std::fprintf(stderr, "fsdp_plan: %s\n", std::string(ok.message()).c_str());
+    return std::nullopt;
+  }
+  r.options.world_size = world_size;
+  r.options.rank = absl::GetFlag(FLAGS_rank);
+  if (r.options.rank < 0 || r.options.rank >= world_size) {
+    std::fprintf(stderr, "fsdp_plan: --rank %d is not a rank of --world-size %d\n", r.options.rank, world_size);
+    return std::nullopt;
+  }
+  r.engine = absl::GetFlag(FLAGS_engine);
+  if (r.engine != "nccl" && r.engine != "gloo") {
+    std::fprintf(stderr, "fsdp_plan: --engine must be nccl or gloo (got '%s')\n", r.engine.c_str());
+    return std::nullopt;
+  }
+  r.options.engine = r.engine == "nccl" ? fsdp::collectives::BackendKind::kNccl : fsdp::collectives::BackendKind::kGloo;
+  if (const std::string text = absl::GetFlag(FLAGS_memory_per_gpu); !text.empty()) {
+    r.memory_bytes = parse_memory(text);
+    if (r.memory_bytes < 0) {
+      std::fprintf(stderr, "fsdp_plan: --memory-per-gpu '%s' is not a size such as 80GiB, 96GB or 24576MiB\n",
+                   text.c_str());
+      return std::nullopt;
+    }
+  }
+  r.steps = absl::GetFlag(FLAGS_steps);
+  if (r.steps < 1) {
+    std::fprintf(stderr, "fsdp_plan: --steps must be at least 1 (got %d)\n", r.steps);
+    return std::nullopt;
+  }
+  if (!profile_from_flags(r.config, world_size, {})) return std::nullopt;
+  r.local_batch = r.config.global_batch / world_size;
+  return r;
+}
+
+// What the dry run and the simulation say.
+struct Answer {
+  fsdp_plan_tool::TrainerPlan plan;
+  fsdp_plan::DeviceProfile profile;
+  fsdp_plan::StepTime time;
+  std::map<std::string, std::pair<int64_t, int64_t>> per_op;  // the last step's collectives: count, bytes
+  int64_t fitting = -1;                                       // the largest local batch, with --memory-per-gpu
+};
+
+Answer answer(const Request& r) {
+  Answer a;
+  a.plan = fsdp_plan_tool::plan_trainer(r.config, r.options, r.local_batch, r.steps);
+  a.profile = *profile_from_flags(r.config, r.options.world_size, a.plan.ops);
+  a.time = fsdp_plan_tool::simulate_trainer(a.plan, r.config, r.local_batch, r.steps, a.profile);
+  for (const auto& c : a.plan.collectives) {
+    if (c.step != r.steps) continue;
+    auto& [count, bytes] = a.per_op[c.op];
+    ++count;
+    bytes += c.bytes;
+  }
+  if (r.memory_bytes > 0) a.fitting = fsdp_plan_tool::largest_local_batch(r.config, r.options, r.memory_bytes);
+  return a;
+}
+
+void print_report(const Request& r, const Answer& a) {
+  const fsdp_train::TrainConfig& c = r.config;
+  const int world_size = r.options.world_size;
+  std::printf("fsdp_plan: rank %d of %d (%s semantics), mesh %s\n", r.options.rank, world_size, r.engine.c_str(),
+              c.mesh.empty() ? ("1x" + std::to_string(world_size)).c_str() : c.mesh.c_str());
+  std::printf(
+      "  model   %lld layers, dim %lld, %lld heads (%lld key/value), SwiGLU hidden %lld, vocab %lld, seq %lld: %lld "
+      "parameters (%lld on this rank)\n",
+      static_cast<long long>(c.layers), static_cast<long long>(c.dim), static_cast<long long>(c.heads),
+      static_cast<long long>(c.kv_heads > 0 ? c.kv_heads : c.heads), static_cast<long long>(fsdp_train::hidden_size(c)),
+      static_cast<long long>(c.vocab), static_cast<long long>(c.seq_len), static_cast<long long>(a.plan.parameters),
+      static_cast<long long>(a.plan.local_parameters));
+  std::printf(
+      "  step    local batch %lld, param dtype %s, reduce dtype %s, reshard after forward %s, ac %s; %d steps\n",
+      static_cast<long long>(r.local_batch), c.param_dtype.c_str(), c.reduce_dtype.c_str(),
+      c.reshard_after_forward ? "yes" : "no", c.ac.c_str(), r.steps);
+  std::printf("memory of rank %d\n%s", r.options.rank, fsdp_plan::format_memory(a.plan.memory).c_str());
+  std::printf("collectives of step %d\n", r.steps);
+  for (const auto& [op, cb] : a.per_op) {
+    std::printf("  %-34s %5lld calls  %10.1f MiB\n", op.c_str(), static_cast<long long>(cb.first), mib(cb.second));
+  }
+  std::printf("time of step %d on %s\n  profile         %s\n%s", r.steps, a.profile.name.c_str(),
+              a.profile.sources.c_str(), fsdp_plan::format_time(a.time).c_str());
+  if (r.memory_bytes > 0) {
+    std::printf("fits in %.1f GiB per device: ", static_cast<double>(r.memory_bytes) / (1 << 30));
+    if (a.fitting == 0) {
+      std::printf("no: even a local batch of 1 needs more (reserved)\n");
+    } else {
+      std::printf("local batch up to %lld (global %lld), by peak reserved memory\n", static_cast<long long>(a.fitting),
+                  static_cast<long long>(a.fitting * world_size));
+    }
+  }
+}
+
+void write_json(const std::string& path, const Request& r, const Answer& a) {
+  nlohmann::ordered_json j;
+  j["world_size"] = r.options.world_size;
+  j["rank"] = r.options.rank;
+  j["engine"] = r.engine;
+  j["mesh"] = r.config.mesh;
+  j["local_batch"] = r.local_batch;
+  j["parameters"] = a.plan.parameters;
+  j["local_parameters"] = a.plan.local_parameters;
+  j["memory"] = nlohmann::ordered_json::parse(fsdp_plan::memory_json(a.plan.memory));
+  nlohmann::ordered_json ops = nlohmann::ordered_json::object();
+  for (const auto& [op, cb] : a.per_op) ops[op] = {{"calls", cb.first}, {"bytes", cb.second}};
+  j["collectives_per_step"] = ops;
+  j["time"] = nlohmann::ordered_json::parse(fsdp_plan::time_json(a.time));
+  if (r.memory_bytes > 0) {
+    j["memory_per_gpu_bytes"] = r.memory_bytes;
+    j["largest_local_batch"] = a.fitting;
+  }
+  if (path == "-") {
+    std::printf("%s\n", j.dump(2).c_str());
+  } else {
+    std::ofstream(path) << j.dump(2) << "\n";
+  }
+}
+
 }  // namespace
 
 int run(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "fsdp_plan: a dry run of the trainer's fully_shard runtime for one rank of a job of --world-size ranks; "
-      "prints its peak memory, what holds it, and the largest local batch that fits --memory-per-gpu.");
+      "prints its peak memory, what holds it, the largest local batch that fits --memory-per-gpu, and the "
+      "simulated time of a step on --device.");
   fsdp_train::parse_command_line(argc, argv);
-  const fsdp_train::TrainConfig config = config_from_flags();
-  const int world_size = absl::GetFlag(FLAGS_world_size);
-  if (world_size < 1) {
-    std::fprintf(stderr, "fsdp_plan: --world-size must be at least 1 (got %d)\n", world_size);
-    return 2;
+  const std::optional<Request> request = request_from_flags();
+  if (!request) return 2;
+  const Answer a = answer(*request);
+  print_report(*request, a);
+  if (absl::GetFlag(FLAGS_compare)) {
+    print_comparison(request->config, request->options, request->local_batch, request->steps, a.profile);
   }
-  if (const absl::Status ok = fsdp_train::validate(config, world_size); !ok.ok()) {
-    std::fprintf(stderr, "fsdp_plan: %s\n", std::string(ok.message()).c_str());
-    return 2;
-  }
-  fsdp_plan::DryRunOptions options;
-  options.world_size = world_size;
-  options.rank = absl::GetFlag(FLAGS_rank);
-  if (options.rank < 0 || options.rank >= world_size) {
-    std::fprintf(stderr, "fsdp_plan: --rank %d is not a rank of --world-size %d\n", options.rank, world_size);
-    return 2;
-  }
-  const std::string engine = absl::GetFlag(FLAGS_engine);
-  if (engine != "nccl" && engine != "gloo") {
-    std::fprintf(stderr, "fsdp_plan: --engine must be nccl or gloo (got '%s')\n", engine.c_str());
-    return 2;
-  }
-  options.engine = engine == "nccl" ? fsdp::collectives::BackendKind::kNccl : fsdp::collectives::BackendKind::kGloo;
-  int64_t memory_bytes = 0;
-  if (const std::string text = absl::GetFlag(FLAGS_memory_per_gpu); !text.empty()) {
-    memory_bytes = parse_memory(text);
-    if (memory_bytes < 0) {
-      std::fprintf(stderr, "fsdp_plan: --memory-per-gpu '%s' is not a size such as 80GiB, 96GB or 24576MiB\n",
-                   text.c_str());
-      return 2;
-    }
-  }
-  const int steps = absl::GetFlag(FLAGS_steps);
-  if (steps < 1) {
-    std::fprintf(stderr, "fsdp_plan: --steps must be at least 1 (got %d)\n", steps);
-    return 2;
-  }
-  if (!profile_from_flags(config, world_size, {})) return 2;
-  const int64_t local_batch = config.global_batch / world_size;
-  const fsdp_plan_tool::TrainerPlan plan = fsdp_plan_tool::plan_trainer(config, options, local_batch, steps);
-  const std::optional<fsdp_plan::DeviceProfile> profile = profile_from_flags(config, world_size, plan.ops);
-  const fsdp_plan::StepTime time = fsdp_plan_tool::simulate_trainer(plan, config, local_batch, steps, *profile);
-
-  // The collectives of the last step, summed by op.
-  std::map<std::string, std::pair<int64_t, int64_t>> per_op;  // count, bytes
-  for (const auto& c : plan.collectives) {
-    if (c.step != steps) continue;
-    auto& [count, bytes] = per_op[c.op];
-    ++count;
-    bytes += c.bytes;
-  }
-  int64_t fitting = -1;
-  if (memory_bytes > 0) fitting = fsdp_plan_tool::largest_local_batch(config, options, memory_bytes);
-
-  std::printf("fsdp_plan: rank %d of %d (%s semantics), mesh %s\n", options.rank, world_size, engine.c_str(),
-              config.mesh.empty() ? ("1x" + std::to_string(world_size)).c_str() : config.mesh.c_str());
-  std::printf(
-      "  model   %lld layers, dim %lld, %lld heads (%lld key/value), SwiGLU hidden %lld, vocab %lld, seq %lld: %lld "
-      "parameters (%lld on this rank)\n",
-      static_cast<long long>(config.layers), static_cast<long long>(config.dim), static_cast<long long>(config.heads),
-      static_cast<long long>(config.kv_heads > 0 ? config.kv_heads : config.heads),
-      static_cast<long long>(fsdp_train::hidden_size(config)), static_cast<long long>(config.vocab),
-      static_cast<long long>(config.seq_len), static_cast<long long>(plan.parameters),
-      static_cast<long long>(plan.local_parameters));
-  std::printf(
-      "  step    local batch %lld, param dtype %s, reduce dtype %s, reshard after forward %s, ac %s; %d steps\n",
-      static_cast<long long>(local_batch), config.param_dtype.c_str(), config.reduce_dtype.c_str(),
-      config.reshard_after_forward ? "yes" : "no", config.ac.c_str(), steps);
-  std::printf("memory of rank %d\n%s", options.rank, fsdp_plan::format_memory(plan.memory).c_str());
-  std::printf("collectives of step %d\n", steps);
-  for (const auto& [op, cb] : per_op) {
-    std::printf("  %-34s %5lld calls  %10.1f MiB\n", op.c_str(), static_cast<long long>(cb.first), mib(cb.second));
-  }
-  std::printf("time of step %d on %s\n  profile         %s\n%s", steps, profile->name.c_str(), profile->sources.c_str(),
-              fsdp_plan::format_time(time).c_str());
-  if (memory_bytes > 0) {
-    std::printf("fits in %.1f GiB per device: ", static_cast<double>(memory_bytes) / (1 << 30));
-    if (fitting == 0) {
-      std::printf("no: even a local batch of 1 needs more (reserved)\n");
-    } else {
-      std::printf("local batch up to %lld (global %lld), by peak reserved memory\n", static_cast<long long>(fitting),
-                  static_cast<long long>(fitting * world_size));
-    }
-  }
-  if (absl::GetFlag(FLAGS_compare)) print_comparison(config, options, local_batch, steps, *profile);
   if (const std::string path = absl::GetFlag(FLAGS_trace); !path.empty()) {
-    std::ofstream(path) << fsdp_plan::chrome_trace(time) << "\n";
+    std::ofstream(path) << fsdp_plan::chrome_trace(a.time) << "\n";
   }
-  if (const std::string path = absl::GetFlag(FLAGS_json); !path.empty()) {
-    nlohmann::ordered_json j;
-    j["world_size"] = world_size;
-    j["rank"] = options.rank;
-    j["engine"] = engine;
-    j["mesh"] = config.mesh;
-    j["local_batch"] = local_batch;
-    j["parameters"] = plan.parameters;
-    j["local_parameters"] = plan.local_parameters;
-    j["memory"] = nlohmann::ordered_json::parse(fsdp_plan::memory_json(plan.memory));
-    nlohmann::ordered_json ops = nlohmann::ordered_json::object();
-    for (const auto& [op, cb] : per_op) ops[op] = {{"calls", cb.first}, {"bytes", cb.second}};
-    j["collectives_per_step"] = ops;
-    j["time"] = nlohmann::ordered_json::parse(fsdp_plan::time_json(time));
-    if (memory_bytes > 0) {
-      j["memory_per_gpu_bytes"] = memory_bytes;
-      j["largest_local_batch"] = fitting;
-    }
-    if (path == "-") {
-      std::printf("%s\n", j.dump(2).c_str());
-    } else {
-      std::ofstream(path) << j.dump(2) << "\n";
-    }
-  }
+  if (const std::string path = absl::GetFlag(FLAGS_json); !path.empty()) write_json(path, *request, a);
   return 0;
 }
 
