@@ -115,7 +115,9 @@ void check_profile(const DeviceProfile& p) {
 
 double kernel_seconds(const OpRecord& op, const DeviceProfile& p) {
   if (p.measured_kernels && op.call) {
-    if (auto it = p.measured_kernels->find(op.call->signature); it != p.measured_kernels->end()) return it->second;
+    if (auto it = p.measured_kernels->find(measured_kernel_key(op)); it != p.measured_kernels->end()) {
+      return it->second;
+    }
   }
   const bool low_precision = op.dtype == c10::kBFloat16 || op.dtype == c10::kHalf;
   const double peak = low_precision ? p.peak_flops_bf16 : p.peak_flops_fp32;
@@ -217,6 +219,11 @@ double median_seconds(int reps, F&& f) {
 
 }  // namespace
 
+const std::string& measured_kernel_key(const OpRecord& op) {
+  static const std::string none;
+  return op.call ? op.call->signature : none;
+}
+
 std::optional<DeviceProfile> device_profile(const std::string& name) {
   if (name == "h100") return h100_sxm();
   if (name == "h100-hbm2e-500w") return h100_hbm2e_500w();
@@ -242,7 +249,7 @@ std::shared_ptr<std::unordered_map<std::string, double>> time_distinct_kernels(c
       ++untimed;
       continue;
     }
-    if (seen.insert(op.call->signature).second) distinct.push_back(&op);
+    if (seen.insert(measured_kernel_key(op)).second) distinct.push_back(&op);
   }
   std::vector<std::vector<std::optional<double>>> times(static_cast<size_t>(ranks));
   const auto time_all = [&](size_t rank) {
@@ -257,7 +264,7 @@ std::shared_ptr<std::unordered_map<std::string, double>> time_distinct_kernels(c
   auto measured = std::make_shared<std::unordered_map<std::string, double>>();
   for (size_t i = 0; i < distinct.size(); ++i) {
     if (const std::optional<double>& seconds = times[0][i]) {
-      (*measured)[distinct[i]->call->signature] = *seconds;
+      (*measured)[measured_kernel_key(*distinct[i])] = *seconds;
     } else {
       ++untimed;
     }
@@ -425,7 +432,6 @@ StepTime simulate(const std::vector<OpRecord>& ops, int64_t step, const Timeline
   out.compute_s = covered(compute, from, to);
   out.communication_s = covered(communication, from, to);
   out.exposed_communication_s = covered_only_by(communication, compute, from, to);
-  out.host_s = p.host_computes ? out.compute_s : p.host_launch_s * static_cast<double>(of_step.size());
   out.tokens = options.tokens;
   if (out.step_s > 0) {
     out.tokens_per_s = static_cast<double>(options.tokens) / out.step_s;

@@ -3,6 +3,7 @@
 // the report's figures, the Chrome trace, and the profiles' errors.
 #include <cstdint>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -11,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "fsdp_plan/timeline.h"
+#include "trainer_plan.h"
 
 namespace fsdp_plan::test {
 namespace {
@@ -192,6 +194,43 @@ TEST(PlanTime, MeasuresThisMachinesCpu) {
   EXPECT_GT(cpu.kernel_overhead_s, 0);
   const DeviceProfile shared = measure_cpu_profile(/*ranks=*/64, /*threads=*/1);
   EXPECT_LT(shared.peak_flops_fp32, cpu.peak_flops_fp32);  // 64 ranks share the cores
+}
+
+// The CPU profile times the plan's own kernels (each distinct call run again
+// on CPU tensors), and the simulation uses those times: every kernel with a
+// measured call lasts exactly what the profile measured for it.
+TEST(PlanTime, CpuProfileTimesThePlansKernelsAndTheSimulationUsesThem) {
+  fsdp_train::TrainConfig c;
+  c.layers = 1;
+  c.dim = 32;
+  c.heads = 2;
+  c.seq_len = 16;
+  DryRunOptions options;
+  options.world_size = 2;
+  options.engine = fsdp::collectives::BackendKind::kGloo;
+  const fsdp_plan_tool::TrainerPlan plan = fsdp_plan_tool::plan_trainer(c, options, /*local_batch=*/2, /*steps=*/2);
+  std::set<std::string> distinct;
+  for (const OpRecord& op : plan.ops) {
+    if (op.kind == OpRecord::Kind::kKernel && op.call) distinct.insert(measured_kernel_key(op));
+  }
+  const DeviceProfile cpu = measure_cpu_profile(/*ranks=*/1, /*threads=*/1, plan.ops);
+  ASSERT_TRUE(cpu.measured_kernels != nullptr);
+  EXPECT_GE(cpu.measured_kernels->size() * 10, distinct.size() * 9) << "most of the plan's kernels run again";
+  TimelineOptions t;
+  t.device = cpu;
+  const StepTime time = simulate(plan.ops, 2, t);
+  ASSERT_EQ(time.ops.size(), plan.ops.size());
+  int checked = 0;
+  for (size_t i = 0; i < plan.ops.size(); ++i) {
+    const OpRecord& op = plan.ops[i];
+    if (op.step != 2 || op.kind != OpRecord::Kind::kKernel || !op.call) continue;
+    const auto it = cpu.measured_kernels->find(measured_kernel_key(op));
+    if (it == cpu.measured_kernels->end()) continue;
+    EXPECT_GT(it->second, 0) << op.name;
+    EXPECT_NEAR(time.ops[i].end_s - time.ops[i].start_s, it->second, 1e-12) << op.name;
+    ++checked;
+  }
+  EXPECT_GT(checked, 50);
 }
 
 }  // namespace

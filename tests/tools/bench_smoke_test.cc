@@ -314,7 +314,7 @@ TEST(BenchSmoke, PlanTimeBenchPrintsSimulatedAndMeasuredPerWorldSize) {
     const std::vector<double> v = numbers_from(row, 1);  // ranks, simulated, measured, ratio
     ASSERT_EQ(v.size(), 4u) << row;
     for (double x : v) EXPECT_TRUE(std::isfinite(x) && x > 0) << row;
-    EXPECT_NEAR(v[3], v[1] / v[2], 0.01) << row;
+    EXPECT_NEAR(v[3], v[1] / v[2], 0.02) << row;  // all three printed to 2 decimals
   }
 }
 

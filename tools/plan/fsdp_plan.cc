@@ -116,33 +116,37 @@ int64_t parse_memory(const std::string& text) {
 
 double mib(int64_t bytes) { return static_cast<double>(bytes) / (1 << 20); }
 
-// The profile --device names for the kernels of `ops`; nullopt (after
-// printing why) when unknown.
-std::optional<fsdp_plan::DeviceProfile> profile_from_flags(const fsdp_train::TrainConfig& config, int world_size,
-                                                           const std::vector<fsdp_plan::OpRecord>& ops) {
+// Whether --device names a profile and --gpus-per-node is one (printing
+// which flag is wrong when not), checked before any work starts.
+bool device_flags_ok() {
   const std::string name = absl::GetFlag(FLAGS_device);
-  std::optional<fsdp_plan::DeviceProfile> profile;
-  if (name == "cpu") {
-    // The ranks of a CPU job share this machine, as fsdp_train --nproc runs them.
-    const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-    const int threads = config.threads > 0 ? static_cast<int>(config.threads) : std::max(1, cores / world_size);
-    profile = fsdp_plan::measure_cpu_profile(world_size, threads, ops);
-  } else {
-    profile = fsdp_plan::device_profile(name);
-  }
-  if (!profile) {
+  if (name != "cpu" && !fsdp_plan::device_profile(name)) {
     std::string names;
     for (const std::string& n : fsdp_plan::device_profile_names()) names += n + ", ";
     std::fprintf(stderr, "fsdp_plan: --device '%s' is not a device profile; use one of %scpu\n", name.c_str(),
                  names.c_str());
-    return std::nullopt;
+    return false;
   }
-  const int per_node = absl::GetFlag(FLAGS_gpus_per_node);
-  if (per_node < 1) {
+  if (const int per_node = absl::GetFlag(FLAGS_gpus_per_node); per_node < 1) {
     std::fprintf(stderr, "fsdp_plan: --gpus-per-node must be at least 1 (got %d)\n", per_node);
-    return std::nullopt;
+    return false;
   }
-  if (name != "cpu") profile->gpus_per_node = per_node;
+  return true;
+}
+
+// The profile --device names, for the kernels of `ops` (a CPU profile times
+// them). REQUIRES: device_flags_ok().
+fsdp_plan::DeviceProfile profile_from_flags(const fsdp_train::TrainConfig& config, int world_size,
+                                            const std::vector<fsdp_plan::OpRecord>& ops) {
+  const std::string name = absl::GetFlag(FLAGS_device);
+  if (name == "cpu") {
+    // The ranks of a CPU job share this machine, as fsdp_train --nproc runs them.
+    const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    const int threads = config.threads > 0 ? static_cast<int>(config.threads) : std::max(1, cores / world_size);
+    return fsdp_plan::measure_cpu_profile(world_size, threads, ops);
+  }
+  fsdp_plan::DeviceProfile profile = *fsdp_plan::device_profile(name);
+  profile.gpus_per_node = absl::GetFlag(FLAGS_gpus_per_node);
   return profile;
 }
 
@@ -188,7 +192,7 @@ void print_comparison(const fsdp_train::TrainConfig& base, const fsdp_plan::DryR
     const fsdp_plan_tool::TrainerPlan plan = fsdp_plan_tool::plan_trainer(c, options, local_batch, steps);
     // A measured profile times this variant's own kernels.
     const fsdp_plan::DeviceProfile variant_profile =
-        profile.host_computes ? *profile_from_flags(c, options.world_size, plan.ops) : profile;
+        profile.host_computes ? profile_from_flags(c, options.world_size, plan.ops) : profile;
     const fsdp_plan::StepTime time = fsdp_plan_tool::simulate_trainer(plan, c, local_batch, steps, variant_profile);
     std::printf("  %-28s %12.1f %12.1f %10.0f %12.1f %12.1f\n", name.c_str(), mib(plan.memory.peak_reserved),
                 time.step_s * 1e3, time.tokens_per_s, time.exposed_communication_s * 1e3, 100 * time.mfu);
@@ -244,7 +248,7 @@ std::optional<Request> request_from_flags() {
     std::fprintf(stderr, "fsdp_plan: --steps must be at least 1 (got %d)\n", r.steps);
     return std::nullopt;
   }
-  if (!profile_from_flags(r.config, world_size, {})) return std::nullopt;
+  if (!device_flags_ok()) return std::nullopt;
   r.local_batch = r.config.global_batch / world_size;
   return r;
 }
@@ -261,7 +265,7 @@ struct Answer {
 Answer answer(const Request& r) {
   Answer a;
   a.plan = fsdp_plan_tool::plan_trainer(r.config, r.options, r.local_batch, r.steps);
-  a.profile = *profile_from_flags(r.config, r.options.world_size, a.plan.ops);
+  a.profile = profile_from_flags(r.config, r.options.world_size, a.plan.ops);
   a.time = fsdp_plan_tool::simulate_trainer(a.plan, r.config, r.local_batch, r.steps, a.profile);
   for (const auto& c : a.plan.collectives) {
     if (c.step != r.steps) continue;

@@ -103,6 +103,11 @@ std::vector<std::string> device_profile_names();
 // ranks * 6 runs of each distinct kernel.
 DeviceProfile measure_cpu_profile(int ranks, int threads, const std::vector<OpRecord>& ops = {});
 
+// The key of kernel `op` in DeviceProfile::measured_kernels: its op, its
+// tensors' shapes, strides and dtypes and its other arguments; empty when the
+// dry run could not describe its call.
+const std::string& measured_kernel_key(const OpRecord& op);
+
 struct TimelineOptions {
   DeviceProfile device;
   // For the report: tokens one rank processes per step, and the model FLOPs
@@ -144,7 +149,6 @@ struct StepTime {
   double compute_s = 0;        // the compute stream busy within the step
   double communication_s = 0;  // union of the communication streams busy
   double exposed_communication_s = 0;
-  double host_s = 0;  // the host issuing
   int64_t flops = 0;  // executed (recomputation included)
   int64_t tokens = 0;
   double tokens_per_s = 0;
