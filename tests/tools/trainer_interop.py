@@ -99,6 +99,7 @@ def _rewrite_rank(rank, world, init_file, hf_dir, out_dir):
     dcp.save(sd, storage_writer=HuggingFaceStorageWriter(out_dir, save_distributed=True))
     dist.barrier()
     dist.destroy_process_group()
+    interop.leave_rank()
 
 
 def rewrite(hf_dir, out_dir, world):
