@@ -45,22 +45,21 @@ struct JsonItem {
   static constexpr const char* kKind = "json";
   std::reference_wrapper<std::string> text;
 };
-struct Int64Item {
-  static constexpr const char* kKind = "int64";
-  std::reference_wrapper<int64_t> value;
+// A scalar of the user's, saved in the manifest's JSON: the four kinds
+// differ only in the type they hold.
+template <typename T, const char* Kind>
+struct ScalarItem {
+  static constexpr const char* kKind = Kind;
+  std::reference_wrapper<T> value;
 };
-struct DoubleItem {
-  static constexpr const char* kKind = "double";
-  std::reference_wrapper<double> value;
-};
-struct StringItem {
-  static constexpr const char* kKind = "string";
-  std::reference_wrapper<std::string> value;
-};
-struct BoolItem {
-  static constexpr const char* kKind = "bool";
-  std::reference_wrapper<bool> value;
-};
+inline constexpr char kInt64[] = "int64";
+inline constexpr char kDouble[] = "double";
+inline constexpr char kString[] = "string";
+inline constexpr char kBool[] = "bool";
+using Int64Item = ScalarItem<int64_t, kInt64>;
+using DoubleItem = ScalarItem<double, kDouble>;
+using StringItem = ScalarItem<std::string, kString>;
+using BoolItem = ScalarItem<bool, kBool>;
 struct RngItem {
   static constexpr const char* kKind = "rng";
   at::Generator generator;
@@ -181,10 +180,10 @@ std::string join_names(const std::vector<std::string>& names) {
 json saved_value(const JsonItem& item, const std::string& name) {
   return detail::parse_json_strict(item.text.get(), "save_training_state: the JSON value '" + name + "'");
 }
-json saved_value(const Int64Item& item, const std::string&) { return item.value.get(); }
-json saved_value(const DoubleItem& item, const std::string&) { return item.value.get(); }
-json saved_value(const StringItem& item, const std::string&) { return item.value.get(); }
-json saved_value(const BoolItem& item, const std::string&) { return item.value.get(); }
+template <typename T, const char* Kind>
+json saved_value(const ScalarItem<T, Kind>& item, const std::string&) {
+  return item.value.get();
+}
 json saved_value(const RngItem& item, const std::string&) {
   at::Generator gen = item.generator;
   return generator_state_hex(gen);
@@ -688,11 +687,12 @@ void load_item(const Item& item, const SavedTrainingState& saved, const std::str
                  },
                  [&](const TensorItem& t) { user_tensors.insert(name, t.tensor); },
                  [&](const JsonItem& j) { j.text.get() = saved.extra[name].dump(); },
-                 [&](const Int64Item& i) { i.value.get() = saved.extra[name].get<int64_t>(); },
-                 [&](const DoubleItem& d) { d.value.get() = saved.extra[name].get<double>(); },
-                 [&](const StringItem& t) { t.value.get() = saved.extra[name].get<std::string>(); },
-                 [&](const BoolItem& b) { b.value.get() = saved.extra[name].get<bool>(); },
                  [&](const RngItem& r) { restore_generator(r.generator, name, saved); },
+                 // The four scalar kinds (the other kinds match their own, non-template, handlers first).
+                 [&](const auto& scalar) {
+                   using T = std::decay_t<decltype(scalar.value.get())>;
+                   scalar.value.get() = saved.extra[name].get<T>();
+                 },
              },
              item.value);
 }

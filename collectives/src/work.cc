@@ -14,18 +14,6 @@
 namespace fsdp::collectives {
 namespace {
 
-std::string cause_of(const std::exception_ptr& error) {
-  try {
-    std::rethrow_exception(error);
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  } catch (const std::exception& e) {
-    return e.what();
-  } catch (...) {
-    return "unknown error";
-  }
-}
-
 template <typename Error, typename... Args>
 [[noreturn]] void throw_error(const char* function, uint32_t line, const Args&... message) {
   throw Error(c10::SourceLocation{function, __FILE__, line}, c10::str(message...));
@@ -34,7 +22,7 @@ template <typename Error, typename... Args>
 // The engines' own errors ("Connection reset by peer", "Operation timed out!")
 // do not say which collective of which group failed; ours do.
 [[noreturn]] void throw_failure(const std::string& description, const std::exception_ptr& error) {
-  throw_error<CollectiveFailed>(__func__, __LINE__, "fsdp2cpp: ", description, " failed: ", cause_of(error),
+  throw_error<CollectiveFailed>(__func__, __LINE__, "fsdp2cpp: ", description, " failed: ", exception_text(error),
                                 ". A peer that exited, crashed or stopped issuing the same collectives makes the "
                                 "others fail; check the logs of the other ranks of the group.");
 }
@@ -80,13 +68,13 @@ void Work::wait(std::chrono::milliseconds timeout) {
       if (monitor_ && failed && timeout.count() == 0) {
         const double waited_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
         if (auto diagnosis = monitor_->diagnose_failure(waited_s)) {
-          throw_error<CollectiveDiverged>(__func__, __LINE__, "fsdp2cpp: ", description_, " failed: ", cause_of(error),
-                                          ". ", *diagnosis);
+          throw_error<CollectiveDiverged>(__func__, __LINE__, "fsdp2cpp: ", description_,
+                                          " failed: ", exception_text(error), ". ", *diagnosis);
         }
       }
       if (!failed && timeout.count() != 0) {
         throw_error<CollectiveTimeout>(__func__, __LINE__, "fsdp2cpp: ", description_, " did not complete within ",
-                                       timeout.count(), " ms (", cause_of(error),
+                                       timeout.count(), " ms (", exception_text(error),
                                        "); it is still in flight, and wait() may be called again");
       }
       throw_failure(description_, error);

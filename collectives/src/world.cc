@@ -15,6 +15,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "backends.h"
+#include "collectives/errors.h"
 #include "divergence_monitor.h"
 #include "fsdp_common/logging.h"
 #include "join_ranks.h"
@@ -26,11 +27,6 @@ constexpr const char* kLauncherHint =
     "torchrun sets MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE (and LOCAL_RANK, LOCAL_WORLD_SIZE); "
     "srun sets SLURM_PROCID, SLURM_NTASKS and SLURM_LOCALID but not MASTER_ADDR and MASTER_PORT; "
     "set them yourself when launching otherwise";
-
-std::string cause_of(const std::exception& e) {
-  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) return c10_error->what_without_backtrace();
-  return e.what();
-}
 
 // Parses an integer variable in [min, max]; nullopt when unset and optional.
 std::optional<int> env_int(const char* name, bool required, int min, int max) {
@@ -188,11 +184,11 @@ std::shared_ptr<World> World::from_env(const RendezvousOptions& options) {
   } catch (const std::exception& e) {
     if (store_options.isServer) {
       TORCH_CHECK(false, "fsdp2cpp: rendezvous ", description, ": rank 0 could not host the store at ", host, ":", port,
-                  ": ", cause_of(e), ". Is the port in use, or MASTER_ADDR not an address of this host?");
+                  ": ", exception_text(e), ". Is the port in use, or MASTER_ADDR not an address of this host?");
     }
     TORCH_CHECK(false, "fsdp2cpp: rendezvous ", description, " timed out: rank ", rank, " could not reach the store ",
                 use_agent_store ? "of the torchrun agent" : "of rank 0", " at ", host, ":", port, " within ",
-                options.timeout.count(), " ms: ", cause_of(e),
+                options.timeout.count(), " ms: ", exception_text(e),
                 ". Check that rank 0 was started and that every rank has the same MASTER_ADDR and MASTER_PORT");
   }
   if (use_agent_store) {
@@ -238,7 +234,7 @@ std::shared_ptr<World> World::from_store(c10::intrusive_ptr<c10d::Store> store, 
   } catch (const std::exception& e) {
     const std::vector<int> missing = missing_of(store, keys, ranks);
     TORCH_CHECK(!missing.empty(), "fsdp2cpp: rendezvous ", description, " failed on rank ", rank, " of ", world_size,
-                ": ", cause_of(e));
+                ": ", exception_text(e));
     TORCH_CHECK(false, "fsdp2cpp: rendezvous ", description, " timed out after ", options.timeout.count(),
                 " ms on rank ", rank, " of ", world_size, ": missing rank(s) [", join_ranks(missing),
                 "] never joined. Start every rank with the same rendezvous and world size, "
@@ -341,7 +337,7 @@ void wait_for_group_members(const c10::intrusive_ptr<c10d::Store>& group_store, 
                 missing.empty() ? std::string()
                                 : c10::str(": member rank(s) [", join_ranks(missing),
                                            "] did not finish connecting within ", timeout.count(), " ms"),
-                ": ", cause_of(e));
+                ": ", exception_text(e));
   }
 }
 
@@ -381,7 +377,7 @@ std::shared_ptr<Communicator> World::new_group(const std::vector<int>& ranks, c1
                 missing.empty()
                     ? std::string()
                     : c10::str(" (member rank(s) [", join_ranks(missing), "] never called new_group for it)"),
-                ": ", cause_of(e));
+                ": ", exception_text(e));
   }
   wait_for_group_members(group_store, ranks, group_rank, options.timeout, name, description_, rank_);
   FSDP2CPP_LOG_DEBUG(c10::str("new_group ", name, " (#", index, " over these ranks), group rank ", group_rank));

@@ -383,18 +383,6 @@ bool parse_positive_int(const std::string& text, int* out) {
   return *out > 0;
 }
 
-bool set_single_rank_environment() {
-  const int port = free_port();
-  if (port < 0) return false;
-  ::setenv("RANK", "0", 1);
-  ::setenv("WORLD_SIZE", "1", 1);
-  ::setenv("LOCAL_RANK", "0", 1);
-  ::setenv("LOCAL_WORLD_SIZE", "1", 1);
-  ::setenv("MASTER_ADDR", "127.0.0.1", 1);
-  ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
-  return true;
-}
-
 }  // namespace
 
 int free_port() {
@@ -412,6 +400,18 @@ int free_port() {
   }
   ::close(fd);
   return port;
+}
+
+bool set_single_rank_environment() {
+  const int port = free_port();
+  if (port < 0) return false;
+  ::setenv("RANK", "0", 1);
+  ::setenv("WORLD_SIZE", "1", 1);
+  ::setenv("LOCAL_RANK", "0", 1);
+  ::setenv("LOCAL_WORLD_SIZE", "1", 1);
+  ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+  ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+  return true;
 }
 
 int launch_local_ranks(const LaunchOptions& options) {

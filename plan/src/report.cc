@@ -49,20 +49,19 @@ std::string format_memory(const MemoryReport& r) {
 }
 
 std::string memory_json(const MemoryReport& r) {
-  nlohmann::ordered_json j;
-  j["peak_allocated_bytes"] = r.peak_allocated;
-  j["peak_reserved_bytes"] = r.peak_reserved;
-  j["peak_tensor_bytes"] = r.peak_bytes;
-  j["peak_step"] = r.peak_step;
-  j["peak_step_phase"] = to_string(r.peak_step_phase);
-  j["peak_fsdp_phase"] = r.peak_fsdp_phase;
   nlohmann::ordered_json holders = nlohmann::ordered_json::object();
   for (int h = 0; h < kHolderCount; ++h)
     holders[to_string(static_cast<Holder>(h))] = r.peak_by_holder[static_cast<size_t>(h)];
-  j["peak_by_holder_bytes"] = holders;
-  j["step_peak_tensor_bytes"] = r.step_peaks;
-  j["end_tensor_bytes"] = r.end_bytes;
-  j["allocations"] = r.allocations;
+  const nlohmann::ordered_json j = {{"peak_allocated_bytes", r.peak_allocated},
+                                    {"peak_reserved_bytes", r.peak_reserved},
+                                    {"peak_tensor_bytes", r.peak_bytes},
+                                    {"peak_step", r.peak_step},
+                                    {"peak_step_phase", to_string(r.peak_step_phase)},
+                                    {"peak_fsdp_phase", r.peak_fsdp_phase},
+                                    {"peak_by_holder_bytes", holders},
+                                    {"step_peak_tensor_bytes", r.step_peaks},
+                                    {"end_tensor_bytes", r.end_bytes},
+                                    {"allocations", r.allocations}};
   return j.dump(2);
 }
 

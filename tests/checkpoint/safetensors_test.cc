@@ -108,6 +108,12 @@ class CheckpointBadFile : public ::testing::Test {
 
 const std::string kGood = R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})";
 
+// A file of one tensor 'a' with 8 bytes of data, as its header declares it.
+std::string file_of_a(const std::string& dtype, const std::string& shape) {
+  return raw_file(R"({"a":{"dtype":")" + dtype + R"(","shape":)" + shape + R"(,"data_offsets":[0,8]}})",
+                  std::string(8, '\0'));
+}
+
 TEST_F(CheckpointBadFile, TheHandMadeGoodFileOpens) {
   // The baseline of the cases below: the same bytes, unbroken, are accepted.
   const std::string path = dir_ / "good.safetensors";
@@ -161,25 +167,15 @@ TEST_F(CheckpointBadFile, HoleInTheData) {
 
 TEST_F(CheckpointBadFile, TrailingBytes) { expect_refused(raw_file(kGood, std::string(12, '\0')), "trailing"); }
 
-TEST_F(CheckpointBadFile, OffsetsDisagreeWithShape) {
-  const std::string header = R"({"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})";
-  expect_refused(raw_file(header, std::string(8, '\0')), "key 'a'", "need 12");
-}
+TEST_F(CheckpointBadFile, OffsetsDisagreeWithShape) { expect_refused(file_of_a("F32", "[3]"), "key 'a'", "need 12"); }
 
-TEST_F(CheckpointBadFile, UnknownDtype) {
-  const std::string header = R"({"a":{"dtype":"F12","shape":[2],"data_offsets":[0,8]}})";
-  expect_refused(raw_file(header, std::string(8, '\0')), "key 'a'", "unknown dtype 'F12'");
-}
+TEST_F(CheckpointBadFile, UnknownDtype) { expect_refused(file_of_a("F12", "[2]"), "key 'a'", "unknown dtype 'F12'"); }
 
 TEST_F(CheckpointBadFile, ShapeWhoseByteSizeOverflows) {
-  const std::string header = R"({"a":{"dtype":"F64","shape":[4294967296,4294967296],"data_offsets":[0,8]}})";
-  expect_refused(raw_file(header, std::string(8, '\0')), "key 'a'", "overflows");
+  expect_refused(file_of_a("F64", "[4294967296,4294967296]"), "key 'a'", "overflows");
 }
 
-TEST_F(CheckpointBadFile, NegativeShape) {
-  const std::string header = R"({"a":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})";
-  expect_refused(raw_file(header, std::string(8, '\0')), "key 'a'", "non-negative");
-}
+TEST_F(CheckpointBadFile, NegativeShape) { expect_refused(file_of_a("F32", "[-2]"), "key 'a'", "non-negative"); }
 
 TEST_F(CheckpointBadFile, MetadataValueNotAString) {
   const std::string header = R"({"__metadata__":{"n":3},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})";

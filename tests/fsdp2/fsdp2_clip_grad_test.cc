@@ -271,10 +271,7 @@ TEST_P(ClipGrad, IgnoredParametersCountOnce) {
   testing::run_distributed(GetParam(), [](testing::RankContext& ctx) {
     for (const double norm_type : {2.0, kInf}) {
       SCOPED_TRACE(::testing::Message() << "norm_type " << norm_type);
-      torch::manual_seed(0);
-      auto model = std::make_shared<WithScale>();
-      torch::manual_seed(0);
-      auto reference = std::make_shared<WithScale>();
+      const auto [model, reference] = with_scale_twins();
       FullyShardOptions o = mesh_options(ctx);
       o.ignored_params = {model->scale};
       fully_shard(model->block, o);

@@ -518,10 +518,7 @@ TEST_P(Runtime, ResetIterStateAfterAnExceptionMidForward) {
 // as the reference (WithScale: test_models.h).
 TEST_P(Runtime, IgnoredParametersAreNeitherShardedNorReduced) {
   testing::run_distributed(GetParam(), [](testing::RankContext& ctx) {
-    torch::manual_seed(0);
-    auto model = std::make_shared<WithScale>();
-    torch::manual_seed(0);
-    auto reference = std::make_shared<WithScale>();
+    const auto [model, reference] = with_scale_twins();
     FullyShardOptions o = mesh_options(ctx);
     o.ignored_params = {model->scale};
     fully_shard(model->block, o);

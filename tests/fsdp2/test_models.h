@@ -7,6 +7,7 @@
 #include <cmath>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <torch/nn/functional.h>
@@ -14,6 +15,7 @@
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
+#include <torch/utils.h>
 
 #include "fsdp2/fully_shard.h"
 #include "fsdp2/module_call.h"
@@ -47,6 +49,14 @@ struct WithScale : torch::nn::Module {
   torch::nn::Linear head;
   at::Tensor scale;
 };
+
+// Two WithScale of the same initial values: one to shard, one reference.
+inline std::pair<std::shared_ptr<WithScale>, std::shared_ptr<WithScale>> with_scale_twins() {
+  torch::manual_seed(0);
+  auto model = std::make_shared<WithScale>();
+  torch::manual_seed(0);
+  return {model, std::make_shared<WithScale>()};
+}
 
 // 7 -> 13 -> `width` -> 3.
 struct MLP : LossModel {

@@ -108,15 +108,29 @@ Programs programs_with(const std::string& trainer, const std::string& python, co
   return programs;
 }
 
+fsdp_train::TrainConfig model_shape(int64_t layers, int64_t dim, int64_t heads, int64_t seq_len, int64_t global_batch) {
+  fsdp_train::TrainConfig c;
+  c.layers = layers;
+  c.dim = dim;
+  c.heads = heads;
+  c.seq_len = seq_len;
+  c.global_batch = global_batch;
+  c.clip = 0;
+  return c;
+}
+
+std::vector<std::string> model_flags(const fsdp_train::TrainConfig& shape) {
+  return {"--layers",       std::to_string(shape.layers),       "--dim",     std::to_string(shape.dim),
+          "--heads",        std::to_string(shape.heads),        "--seq-len", std::to_string(shape.seq_len),
+          "--global-batch", std::to_string(shape.global_batch), "--clip",    std::to_string(shape.clip)};
+}
+
 namespace {
 
-std::vector<std::string> shape_flags(const TrainShape& shape, const RunOptions& options) {
-  std::vector<std::string> flags = {
-      "--layers",       std::to_string(shape.layers),       "--dim",     std::to_string(shape.dim),
-      "--heads",        std::to_string(shape.heads),        "--seq-len", std::to_string(shape.seq_len),
-      "--global-batch", std::to_string(shape.global_batch), "--steps",   std::to_string(options.steps),
-      "--threads",      std::to_string(options.threads),    "--device",  options.device,
-      "--clip",         std::to_string(shape.clip),         "--ac",      options.ac};
+std::vector<std::string> shape_flags(const fsdp_train::TrainConfig& shape, const RunOptions& options) {
+  std::vector<std::string> flags = model_flags(shape);
+  flags.insert(flags.end(), {"--steps", std::to_string(options.steps), "--threads", std::to_string(options.threads),
+                             "--device", options.device, "--ac", options.ac});
   // fsdp_train refuses --ac-every without checkpointing.
   if (options.ac != "none") flags.insert(flags.end(), {"--ac-every", std::to_string(options.ac_every)});
   return flags;
@@ -177,7 +191,7 @@ double peak_live_over_ranks(const std::string& counter_dir) {
 
 }  // namespace
 
-Measured run_fsdp_train(const Programs& programs, const TrainShape& shape, const RunOptions& options) {
+Measured run_fsdp_train(const Programs& programs, const fsdp_train::TrainConfig& shape, const RunOptions& options) {
   ScratchDir dir;
   const std::string json = dir.file("run.json");
   std::vector<std::string> args = shape_flags(shape, options);
@@ -230,7 +244,7 @@ RunResult run_pytorch_script(const std::string& python, const std::vector<std::s
   return attempt();
 }
 
-Measured run_pytorch_fsdp2(const Programs& programs, const TrainShape& shape, const RunOptions& options) {
+Measured run_pytorch_fsdp2(const Programs& programs, const fsdp_train::TrainConfig& shape, const RunOptions& options) {
   std::vector<std::string> args = {programs.script,  "train",
                                    "--nproc",        std::to_string(options.nproc),
                                    "--warmup-steps", std::to_string(options.warmup_steps)};

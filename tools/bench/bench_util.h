@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "config.h"
 #include "fsdp_common/child_process.h"
 
 namespace bench {
@@ -85,15 +86,21 @@ Programs default_programs();
 // (the benchmarks' --trainer, --python and --script flags).
 Programs programs_with(const std::string& trainer, const std::string& python, const std::string& script);
 
-// The trainer's model and batch: fsdp_train's flags of the same names.
-struct TrainShape {
-  int64_t layers = 4;
-  int64_t dim = 64;
-  int64_t heads = 4;
-  int64_t seq_len = 32;
-  int64_t global_batch = 8;
-  double clip = 0;
+// The trainer's model and batch as fsdp_train's configuration: `layers`
+// blocks of width `dim` with `heads` heads, `global_batch` sequences of
+// `seq_len` tokens per step, without gradient clipping (the benchmarks time
+// the sharded step, and PyTorch's side clips nothing).
+fsdp_train::TrainConfig model_shape(int64_t layers, int64_t dim, int64_t heads, int64_t seq_len, int64_t global_batch);
+
+// A benchmark's row label and the model it trains.
+struct NamedShape {
+  std::string name;
+  fsdp_train::TrainConfig shape;
 };
+
+// The flags of fsdp_train (and fsdp_plan) that give `shape`: --layers,
+// --dim, --heads, --seq-len, --global-batch and --clip.
+std::vector<std::string> model_flags(const fsdp_train::TrainConfig& shape);
 
 // One training run's figures.
 struct Measured {
@@ -129,9 +136,9 @@ struct RunOptions {
 };
 
 // fsdp_train with `shape` and `options` (--json, parsed).
-Measured run_fsdp_train(const Programs& programs, const TrainShape& shape, const RunOptions& options);
+Measured run_fsdp_train(const Programs& programs, const fsdp_train::TrainConfig& shape, const RunOptions& options);
 // The same model and loop under PyTorch FSDP2 (fsdp2_bench.py train).
-Measured run_pytorch_fsdp2(const Programs& programs, const TrainShape& shape, const RunOptions& options);
+Measured run_pytorch_fsdp2(const Programs& programs, const fsdp_train::TrainConfig& shape, const RunOptions& options);
 
 // Whether this machine has `n` CUDA devices for the CUDA rows.
 bool have_cuda_devices(int n);

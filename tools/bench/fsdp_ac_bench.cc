@@ -66,23 +66,7 @@ ABSL_FLAG(std::string, script, "", "fsdp2_bench.py (default: the source tree's)"
 
 namespace {
 
-struct Model {
-  std::string name;
-  bench::TrainShape shape;
-};
-
-bench::TrainShape make_shape(int64_t layers, int64_t dim, int64_t heads, int64_t seq_len, int64_t batch) {
-  bench::TrainShape s;
-  s.layers = layers;
-  s.dim = dim;
-  s.heads = heads;
-  s.seq_len = seq_len;
-  s.global_batch = batch;
-  s.clip = 0;
-  return s;
-}
-
-std::string describe(const bench::TrainShape& s) {
+std::string describe(const fsdp_train::TrainConfig& s) {
   char text[128];
   std::snprintf(text, sizeof(text), "%lld blocks, dim %lld, %lld heads, seq %lld, global batch %lld",
                 static_cast<long long>(s.layers), static_cast<long long>(s.dim), static_cast<long long>(s.heads),
@@ -159,18 +143,18 @@ int main(int argc, char** argv) {
     modes.emplace_back(part);
   }
 
-  std::vector<Model> models;
-  if (quick) models.push_back({"tiny", make_shape(2, 32, 4, 16, 2 * nproc)});
+  std::vector<bench::NamedShape> models;
+  if (quick) models.push_back({"tiny", bench::model_shape(2, 32, 4, 16, 2 * nproc)});
   for (const auto& part : absl::StrSplit(absl::GetFlag(FLAGS_models), ',', absl::SkipEmpty())) {
     if (quick) break;
     if (part == "trainer") {
       const fsdp_train::TrainConfig defaults;
-      models.push_back({"the trainer's default model", make_shape(defaults.layers, defaults.dim, defaults.heads,
-                                                                  defaults.seq_len, defaults.global_batch)});
+      models.push_back({"the trainer's default model", bench::model_shape(defaults.layers, defaults.dim, defaults.heads,
+                                                                          defaults.seq_len, defaults.global_batch)});
     } else if (part == "deep") {
       models.push_back({"deep, long sequence",
-                        make_shape(absl::GetFlag(FLAGS_deep_layers), 128, 4, absl::GetFlag(FLAGS_deep_seq_len),
-                                   absl::GetFlag(FLAGS_deep_global_batch))});
+                        bench::model_shape(absl::GetFlag(FLAGS_deep_layers), 128, 4, absl::GetFlag(FLAGS_deep_seq_len),
+                                           absl::GetFlag(FLAGS_deep_global_batch))});
     } else {
       std::fprintf(stderr, "fsdp_ac_bench: --models takes trainer and/or deep (got '%s')\n", std::string(part).c_str());
       return 2;
@@ -180,7 +164,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "fsdp_ac_bench: --models and --ac-modes must name at least one each\n");
     return 2;
   }
-  for (const Model& model : models) {
+  for (const bench::NamedShape& model : models) {
     if (model.shape.global_batch % nproc != 0 || model.shape.global_batch / nproc < 2) {
       std::fprintf(stderr,
                    "fsdp_ac_bench: %s has a global batch of %lld: it needs at least 2 rows per rank, divisible by "
@@ -196,7 +180,7 @@ int main(int argc, char** argv) {
       nproc, options.device.c_str(), options.warmup_steps + 1, options.steps, static_cast<long long>(options.ac_every),
       quick ? " (--quick: measures nothing)" : "");
   if (repeats > 1) std::printf("%d repeats per mode, modes and systems in rotating order: medians\n", repeats);
-  const auto measure = [&](int system, const bench::TrainShape& shape, const bench::RunOptions& o) {
+  const auto measure = [&](int system, const fsdp_train::TrainConfig& shape, const bench::RunOptions& o) {
     bench::Measured m =
         system == 0 ? bench::run_fsdp_train(programs, shape, o) : bench::run_pytorch_fsdp2(programs, shape, o);
     if (!m.ok) {
@@ -210,7 +194,7 @@ int main(int argc, char** argv) {
     run.ac = mode;
     return run;
   };
-  for (const Model& model : models) {
+  for (const bench::NamedShape& model : models) {
     std::printf("\n%s: %s\n", model.name.c_str(), describe(model.shape).c_str());
     std::fflush(stdout);
     // fig[mode][0]: fsdp2cpp, fig[mode][1]: PyTorch FSDP2. Each repeat runs
@@ -231,7 +215,7 @@ int main(int argc, char** argv) {
       }
     }
     if (!quick) {
-      bench::TrainShape half = model.shape;
+      fsdp_train::TrainConfig half = model.shape;
       half.global_batch /= 2;
       for (size_t i = 0; i < modes.size(); ++i) {
         bench::RunOptions short_run = with_ac(modes[i]);

@@ -70,7 +70,7 @@ int main(int argc, char** argv) {
 
   const bool quick = absl::GetFlag(FLAGS_quick);
   const int nproc = absl::GetFlag(FLAGS_nproc);
-  bench::TrainShape shape;
+  fsdp_train::TrainConfig shape;
   shape.dim = quick ? 32 : absl::GetFlag(FLAGS_dim);
   shape.heads = quick ? 4 : absl::GetFlag(FLAGS_heads);
   shape.seq_len = quick ? 8 : absl::GetFlag(FLAGS_seq_len);

@@ -25,20 +25,9 @@ ABSL_FLAG(bool, quick, false, "World sizes 1-2, a tiny model, few steps (the smo
 
 namespace {
 
-struct Model {
-  std::string name;
-  bench::TrainShape shape;
-};
-
-std::vector<std::string> shape_flags(const bench::TrainShape& s) {
-  return {"--layers",       std::to_string(s.layers),       "--dim",     std::to_string(s.dim),
-          "--heads",        std::to_string(s.heads),        "--seq-len", std::to_string(s.seq_len),
-          "--global-batch", std::to_string(s.global_batch), "--clip",    std::to_string(s.clip)};
-}
-
 // fsdp_plan's simulated step (seconds), or NAN when it failed (printed).
-double simulated_step_s(const bench::TrainShape& shape, int nproc) {
-  std::vector<std::string> args = shape_flags(shape);
+double simulated_step_s(const fsdp_train::TrainConfig& shape, int nproc) {
+  std::vector<std::string> args = bench::model_flags(shape);
   args.push_back("--world-size");
   args.push_back(std::to_string(nproc));
   for (const char* a : {"--device", "cpu", "--engine", "gloo", "--threads", "1", "--json", "-"}) args.push_back(a);
@@ -65,17 +54,17 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "fsdp_plan_time_bench: need --max-nproc >= 1 and --steps >= 3\n");
     return 2;
   }
-  std::vector<Model> models;
+  std::vector<bench::NamedShape> models;
   if (quick) {
-    models.push_back({"tiny", {2, 32, 4, 16, 4, 0}});
+    models.push_back({"tiny", bench::model_shape(2, 32, 4, 16, 4)});
   } else {
-    models.push_back({"4 blocks dim 64 seq 32", {4, 64, 4, 32, 24, 0}});
-    models.push_back({"2 blocks dim 256 seq 128", {2, 256, 8, 128, 12, 0}});
+    models.push_back({"4 blocks dim 64 seq 32", bench::model_shape(4, 64, 4, 32, 24)});
+    models.push_back({"2 blocks dim 256 seq 128", bench::model_shape(2, 256, 8, 128, 12)});
   }
   const bench::Programs programs = bench::default_programs();
   std::printf("fsdp_plan_time_bench: %d steps per run (2 untimed), 1 intra-op thread per rank, Gloo\n", steps);
   std::printf("%-26s %5s %14s %13s %10s\n", "model", "ranks", "simulated ms", "measured ms", "sim/meas");
-  for (const Model& m : models) {
+  for (const bench::NamedShape& m : models) {
     for (int nproc = 1; nproc <= max_nproc; ++nproc) {
       if (m.shape.global_batch % nproc != 0) continue;
       bench::RunOptions options;

@@ -48,22 +48,6 @@ ABSL_FLAG(std::string, script, "", "fsdp2_bench.py (default: the source tree's)"
 
 namespace {
 
-struct Model {
-  std::string name;
-  bench::TrainShape shape;
-};
-
-bench::TrainShape make_shape(int64_t layers, int64_t dim, int64_t seq_len, int64_t batch) {
-  bench::TrainShape s;
-  s.layers = layers;
-  s.dim = dim;
-  s.heads = 4;
-  s.seq_len = seq_len;
-  s.global_batch = batch;
-  s.clip = 0;
-  return s;
-}
-
 // The figures of one table row over its repeats.
 struct RowFigures {
   std::vector<double> a_s, b_s, c_s;       // per-repeat median step times
@@ -110,14 +94,14 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "fsdp_speed_bench: --repeats takes a count of 1 or more (got %d)\n", repeats);
     return 2;
   }
-  std::vector<Model> models;
-  if (quick) models.push_back({"2 blocks, dim 32, seq 16, batch 8", make_shape(2, 32, 16, 8)});
+  std::vector<bench::NamedShape> models;
+  if (quick) models.push_back({"2 blocks, dim 32, seq 16, batch 8", bench::model_shape(2, 32, 4, 16, 8)});
   for (const auto& part : absl::StrSplit(absl::GetFlag(FLAGS_models), ',', absl::SkipEmpty())) {
     if (quick) break;
     if (part == "host") {
-      models.push_back({"16 blocks, dim 64, seq 32, batch 8", make_shape(16, 64, 32, 8)});
+      models.push_back({"16 blocks, dim 64, seq 32, batch 8", bench::model_shape(16, 64, 4, 32, 8)});
     } else if (part == "compute") {
-      models.push_back({"4 blocks, dim 256, seq 128, batch 8", make_shape(4, 256, 128, 8)});
+      models.push_back({"4 blocks, dim 256, seq 128, batch 8", bench::model_shape(4, 256, 4, 128, 8)});
     } else {
       std::fprintf(stderr, "fsdp_speed_bench: --models takes host and/or compute (got '%s')\n",
                    std::string(part).c_str());
@@ -149,9 +133,9 @@ int main(int argc, char** argv) {
               "(b) ms", "(c) ms", "b/a", "lo", "hi", "b/c", "lo", "hi", "a MiB", "b MiB", "c MiB");
   for (const std::string& device : devices) {
     options.device = device;
-    for (const Model& model : models) {
+    for (const bench::NamedShape& model : models) {
       for (const int n : world_sizes) {
-        bench::TrainShape per_rank = model.shape;
+        fsdp_train::TrainConfig per_rank = model.shape;
         per_rank.global_batch = model.shape.global_batch / n;
         bench::RunOptions unsharded = options;
         unsharded.nproc = 1;

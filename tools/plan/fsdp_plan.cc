@@ -32,11 +32,8 @@
 #include "config.h"
 #include "fsdp_plan/dry_run.h"
 #include "fsdp_plan/timeline.h"
+#include "model_flags.h"
 #include "trainer_plan.h"
-
-namespace {
-const fsdp_train::TrainConfig kDefaults;
-}
 
 ABSL_FLAG(int, world_size, 8, "Ranks of the job to plan (any number: one rank is simulated).");
 ABSL_FLAG(int, rank, 0, "The rank to simulate (its rows of uneven shards).");
@@ -47,56 +44,18 @@ ABSL_FLAG(std::string, memory_per_gpu, "",
 ABSL_FLAG(std::string, json, "", "Write the report as JSON to this file ('-' for stdout).");
 ABSL_FLAG(std::string, device, "h100",
           "The device profile of the time model: h100, h100-hbm2e-500w, h200, or cpu (this machine, measured now).");
-ABSL_FLAG(int64_t, threads, kDefaults.threads,
-          "With --device cpu: intra-op threads per rank (0: the machine's cores divided among the ranks).");
 ABSL_FLAG(int, gpus_per_node, 8, "Ranks per node (NVLink within, the network across).");
 ABSL_FLAG(std::string, trace, "", "Write the simulated timeline of the last step as a Chrome trace (Perfetto).");
 ABSL_FLAG(bool, compare, false,
           "Also plan the settings a user weighs (reshard after forward, activation checkpointing, mixed precision) "
           "and print them side by side.");
-// The trainer's model and sharding flags (fsdp_train --help), same names and defaults.
-ABSL_FLAG(int64_t, global_batch, kDefaults.global_batch,
-          "Sequences per step over all ranks (divisible by --world-size).");
-ABSL_FLAG(int64_t, seq_len, kDefaults.seq_len, "Tokens per sequence.");
-ABSL_FLAG(int64_t, layers, kDefaults.layers, "Transformer blocks (each one fully_shard group).");
-ABSL_FLAG(int64_t, dim, kDefaults.dim, "Model width.");
-ABSL_FLAG(int64_t, heads, kDefaults.heads, "Attention heads; must divide --dim into an even head size.");
-ABSL_FLAG(int64_t, hidden, kDefaults.hidden, "SwiGLU hidden size; 0: 8/3 * dim rounded up to 16.");
-ABSL_FLAG(int64_t, kv_heads, kDefaults.kv_heads,
-          "Key/value heads (grouped-query attention); must divide --heads; 0: as many as --heads.");
-ABSL_FLAG(int64_t, vocab, kDefaults.vocab,
-          "Vocabulary size, at least 256 (the trainer's byte-level corpus); e.g. 128256 for Llama 3's.");
-ABSL_FLAG(double, clip, kDefaults.clip, "Max global gradient norm; 0: no clipping.");
-ABSL_FLAG(bool, reshard_after_forward, kDefaults.reshard_after_forward,
-          "Free each block's unsharded parameters after its forward.");
-ABSL_FLAG(std::string, mesh, "", "RxS: replicate x shard ranks (HSDP when R > 1); default 1 x world size.");
-ABSL_FLAG(std::string, param_dtype, kDefaults.param_dtype, "fp32, bf16 or fp16: MixedPrecisionPolicy.param_dtype.");
-ABSL_FLAG(std::string, reduce_dtype, kDefaults.reduce_dtype, "fp32, bf16 or fp16: MixedPrecisionPolicy.reduce_dtype.");
-ABSL_FLAG(std::string, ac, kDefaults.ac,
-          "Activation checkpointing of the blocks: none, full, selective, or torchtitan (selective, every other "
-          "matmul output recomputed).");
-ABSL_FLAG(int64_t, ac_every, kDefaults.ac_every, "With --ac: checkpoint every this many blocks.");
+// The model and sharding flags are the trainer's (model_flags.h).
 
 namespace {
 
 fsdp_train::TrainConfig config_from_flags() {
   fsdp_train::TrainConfig c;
-  c.global_batch = absl::GetFlag(FLAGS_global_batch);
-  c.seq_len = absl::GetFlag(FLAGS_seq_len);
-  c.layers = absl::GetFlag(FLAGS_layers);
-  c.dim = absl::GetFlag(FLAGS_dim);
-  c.heads = absl::GetFlag(FLAGS_heads);
-  c.hidden = absl::GetFlag(FLAGS_hidden);
-  c.kv_heads = absl::GetFlag(FLAGS_kv_heads);
-  c.vocab = absl::GetFlag(FLAGS_vocab);
-  c.clip = absl::GetFlag(FLAGS_clip);
-  c.reshard_after_forward = absl::GetFlag(FLAGS_reshard_after_forward);
-  c.mesh = absl::GetFlag(FLAGS_mesh);
-  c.param_dtype = absl::GetFlag(FLAGS_param_dtype);
-  c.reduce_dtype = absl::GetFlag(FLAGS_reduce_dtype);
-  c.ac = absl::GetFlag(FLAGS_ac);
-  c.ac_every = absl::GetFlag(FLAGS_ac_every);
-  c.threads = absl::GetFlag(FLAGS_threads);
+  fsdp_train::apply_model_flags(c);
   return c;
 }
 

@@ -15,8 +15,6 @@
 // Flags may be spelled with dashes or underscores (--global-batch 8 or
 // --global_batch=8); --help lists them. Bad values fail before anything
 // starts, with a message that names the flag. See docs/trainer.md.
-#include <unistd.h>
-
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -36,6 +34,7 @@
 #include "config.h"
 #include "data.h"
 #include "launch/launch.h"
+#include "model_flags.h"
 #include "profile.h"
 #include "trainer.h"
 
@@ -53,49 +52,23 @@ ABSL_FLAG(int, max_restarts, 0,
           "(torchrun's --max-restarts); with --save-dir, needs --resume so a restart continues from the newest "
           "checkpoint.");
 ABSL_FLAG(int64_t, steps, kDefaults.steps, "Optimizer steps.");
-ABSL_FLAG(int64_t, global_batch, kDefaults.global_batch,
-          "Sequences per step over all ranks; must be divisible by the world size.");
-ABSL_FLAG(int64_t, seq_len, kDefaults.seq_len, "Tokens (bytes) per sequence.");
-ABSL_FLAG(int64_t, layers, kDefaults.layers, "Transformer blocks (each one fully_shard group).");
-ABSL_FLAG(int64_t, dim, kDefaults.dim, "Model width.");
-ABSL_FLAG(int64_t, heads, kDefaults.heads, "Attention heads; must divide --dim into an even head size.");
-ABSL_FLAG(int64_t, kv_heads, kDefaults.kv_heads,
-          "Key/value heads (grouped-query attention); must divide --heads; 0: as many as --heads.");
-ABSL_FLAG(int64_t, hidden, kDefaults.hidden, "SwiGLU hidden size; 0: 8/3 * dim rounded up to 16.");
-ABSL_FLAG(int64_t, vocab, kDefaults.vocab,
-          "Vocabulary size, at least 256 (the byte-level corpus's); a larger one only adds embedding and output "
-          "rows that no token uses.");
 ABSL_FLAG(double, lr, kDefaults.lr, "Peak learning rate (AdamW; linear warm-up, cosine decay to lr/10).");
 ABSL_FLAG(double, weight_decay, kDefaults.weight_decay, "AdamW weight decay.");
 ABSL_FLAG(int64_t, warmup, kDefaults.warmup, "Warm-up steps.");
-ABSL_FLAG(double, clip, kDefaults.clip, "Max global gradient norm (fsdp::clip_grad_norm_); 0: no clipping.");
 ABSL_FLAG(int64_t, seed, kDefaults.seed, "Seed of the initial parameters and of the batches.");
 ABSL_FLAG(std::string, device, kDefaults.device, "cpu (Gloo) or cuda (NCCL, one rank per GPU).");
-ABSL_FLAG(bool, reshard_after_forward, kDefaults.reshard_after_forward,
-          "fully_shard's reshard_after_forward for the blocks (false: keep their parameters gathered until "
-          "backward).");
 ABSL_FLAG(std::string, json, "", "Write the per-step losses, throughput and memory to this JSON file (rank 0).");
 ABSL_FLAG(std::string, data, "", "Train on this text file (bytes); default: the corpus in the source tree's data/.");
 ABSL_FLAG(int64_t, log_every, kDefaults.log_every, "Print a progress line every this many steps.");
-ABSL_FLAG(std::string, mesh, "", "RxS: replicate x shard ranks (HSDP when R > 1); default 1 x world size.");
-ABSL_FLAG(std::string, param_dtype, kDefaults.param_dtype, "fp32, bf16 or fp16: MixedPrecisionPolicy.param_dtype.");
-ABSL_FLAG(std::string, reduce_dtype, kDefaults.reduce_dtype, "fp32, bf16 or fp16: MixedPrecisionPolicy.reduce_dtype.");
 ABSL_FLAG(bool, cpu_offload, kDefaults.cpu_offload,
           "CUDA: keep the sharded parameters, gradients and AdamW state in pinned host memory (fully_shard's "
           "OffloadPolicy::offload_to_cpu; the optimizer steps on the CPU).");
-ABSL_FLAG(int64_t, threads, kDefaults.threads, "Intra-op threads per rank; 0: the cores divided among local ranks.");
 ABSL_FLAG(std::string, all_gather_dtype, kDefaults.all_gather_dtype,
           "param or int8: int8 all-gathers the blocks' parameters as int8 with an fp32 scale per 256 values "
           "(fsdp::Int8AllGather), dequantized before use; the root's all-gather is not quantized.");
 ABSL_FLAG(bool, compare_all_gather, kDefaults.compare_all_gather,
           "Train twice in one run, with the plain and the int8 all-gather (needs --all-gather-dtype int8), and "
           "print bytes all-gathered per step, step time and the loss curves' largest difference.");
-ABSL_FLAG(std::string, ac, kDefaults.ac,
-          "Activation checkpointing of the blocks: none, full (each checkpointed block keeps only its input "
-          "through forward and is recomputed in backward), selective (full, but the outputs of the matmuls and "
-          "attention are kept, not recomputed) or torchtitan (selective with torchtitan's refinement: every other "
-          "matmul output is recomputed).");
-ABSL_FLAG(int64_t, ac_every, kDefaults.ac_every, "With --ac: checkpoint every this many blocks (0, N, 2N, ...).");
 ABSL_FLAG(bool, no_shard, kDefaults.no_shard,
           "Train the same model without fully_shard on one rank (the unsharded baseline of the benchmarks).");
 ABSL_FLAG(std::string, save_dir, "",
@@ -123,33 +96,18 @@ namespace {
 
 fsdp_train::TrainConfig config_from_flags() {
   fsdp_train::TrainConfig c;
+  fsdp_train::apply_model_flags(c);
   c.steps = absl::GetFlag(FLAGS_steps);
-  c.global_batch = absl::GetFlag(FLAGS_global_batch);
-  c.seq_len = absl::GetFlag(FLAGS_seq_len);
-  c.layers = absl::GetFlag(FLAGS_layers);
-  c.dim = absl::GetFlag(FLAGS_dim);
-  c.heads = absl::GetFlag(FLAGS_heads);
-  c.kv_heads = absl::GetFlag(FLAGS_kv_heads);
-  c.hidden = absl::GetFlag(FLAGS_hidden);
-  c.vocab = absl::GetFlag(FLAGS_vocab);
   c.lr = absl::GetFlag(FLAGS_lr);
   c.weight_decay = absl::GetFlag(FLAGS_weight_decay);
   c.warmup = absl::GetFlag(FLAGS_warmup);
-  c.clip = absl::GetFlag(FLAGS_clip);
   c.seed = absl::GetFlag(FLAGS_seed);
   c.device = absl::GetFlag(FLAGS_device);
-  c.reshard_after_forward = absl::GetFlag(FLAGS_reshard_after_forward);
   c.json_path = absl::GetFlag(FLAGS_json);
   c.data_path = absl::GetFlag(FLAGS_data);
   c.log_every = absl::GetFlag(FLAGS_log_every);
-  c.mesh = absl::GetFlag(FLAGS_mesh);
-  c.param_dtype = absl::GetFlag(FLAGS_param_dtype);
-  c.reduce_dtype = absl::GetFlag(FLAGS_reduce_dtype);
   c.cpu_offload = absl::GetFlag(FLAGS_cpu_offload);
-  c.threads = absl::GetFlag(FLAGS_threads);
   c.no_shard = absl::GetFlag(FLAGS_no_shard);
-  c.ac = absl::GetFlag(FLAGS_ac);
-  c.ac_every = absl::GetFlag(FLAGS_ac_every);
   c.all_gather_dtype = absl::GetFlag(FLAGS_all_gather_dtype);
   c.compare_all_gather = absl::GetFlag(FLAGS_compare_all_gather);
   c.save_dir = absl::GetFlag(FLAGS_save_dir);
@@ -174,14 +132,8 @@ int env_int(const char* name, int fallback) {
 // A one-rank world without a launcher: an env:// rendezvous with itself on a
 // free local port.
 std::shared_ptr<fsdp::collectives::World> single_rank_world() {
-  const int port = fsdp::launch::free_port();
-  TORCH_CHECK(port > 0, "fsdp_train: cannot find a free port on 127.0.0.1 for the single-rank rendezvous");
-  ::setenv("RANK", "0", 1);
-  ::setenv("WORLD_SIZE", "1", 1);
-  ::setenv("LOCAL_RANK", "0", 1);
-  ::setenv("LOCAL_WORLD_SIZE", "1", 1);
-  ::setenv("MASTER_ADDR", "127.0.0.1", 1);
-  ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+  TORCH_CHECK(fsdp::launch::set_single_rank_environment(),
+              "fsdp_train: cannot find a free port on 127.0.0.1 for the single-rank rendezvous");
   return fsdp::collectives::World::from_env();
 }
 

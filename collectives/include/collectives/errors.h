@@ -15,6 +15,9 @@
 //   }
 #pragma once
 
+#include <exception>
+#include <string>
+
 #include <c10/util/Exception.h>
 
 namespace fsdp::collectives {
@@ -51,5 +54,12 @@ class CollectiveFailed : public CollectiveError {
  public:
   using CollectiveError::CollectiveError;
 };
+
+// The message of an error, for a message of one's own that names its cause:
+// what_without_backtrace() for a c10::Error (without LibTorch's C++
+// backtrace), what() for another std::exception, and "an exception of
+// unknown type" for anything else thrown.
+std::string exception_text(const std::exception& error);
+std::string exception_text(const std::exception_ptr& error);
 
 }  // namespace fsdp::collectives

@@ -136,6 +136,12 @@ std::optional<int> maybe_launch_local(int& argc, char** argv);
 // binds it again moments later, as torchrun's standalone mode does.
 int free_port();
 
+// Sets the environment of a one-rank job (RANK=0, WORLD_SIZE=1,
+// LOCAL_RANK=0, LOCAL_WORLD_SIZE=1, MASTER_ADDR=127.0.0.1 and a free
+// MASTER_PORT), so that World::from_env() works in a process no launcher
+// started. Returns false, changing nothing, when no port is free.
+bool set_single_rank_environment();
+
 // `--mesh RxS` / FSDP2CPP_MESH: R replicas of S shards (HSDP when R > 1).
 struct MeshShape {
   int64_t replicate = 1;

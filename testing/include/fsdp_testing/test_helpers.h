@@ -7,7 +7,8 @@
 //
 //   EXPECT_THAT(fsdp::testing::error_of([&] { mesh.slice({}); }), HasSubstr("no dim names given"));
 //
-// Header-only, for test binaries; no GoogleTest dependency of its own.
+// Header-only, for test binaries (they link fsdp2cpp::testing, which brings
+// collectives/errors.h); no GoogleTest dependency of its own.
 #pragma once
 
 #include <stdlib.h>
@@ -20,24 +21,17 @@
 
 #include <c10/util/Exception.h>
 
+#include "collectives/errors.h"
+
 namespace fsdp::testing {
 
 // exception_text
 //
-// The message of `error`: what_without_backtrace() for a c10::Error (the
+// The message of an error: what_without_backtrace() for a c10::Error (the
 // message without LibTorch's C++ backtrace), what() for another
-// std::exception, and "an exception of unknown type" otherwise.
-inline std::string exception_text(const std::exception_ptr& error) {
-  try {
-    std::rethrow_exception(error);
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  } catch (const std::exception& e) {
-    return e.what();
-  } catch (...) {
-    return "an exception of unknown type";
-  }
-}
+// std::exception, and "an exception of unknown type" otherwise
+// (collectives/errors.h).
+using fsdp::collectives::exception_text;
 
 // error_of
 //
