@@ -8,11 +8,13 @@
 namespace fsdp::detail {
 namespace {
 
-// Under the stream-order checker the CPU has (modelled) streams, and the
-// runtime takes the paths it takes on CUDA (stream_check.h).
+// Under the stream-order checker the CPU has (modelled) streams, and in the
+// planner's dry run of a CUDA job the meta device has; the runtime then takes
+// the paths it takes on CUDA (stream_check.h).
 bool has_streams(c10::DeviceType type) {
   if (type == c10::kCPU) return stream_check::active();
-  return type != c10::kMeta;
+  if (type == c10::kMeta) return stream_check::meta_streams();
+  return true;
 }
 
 }  // namespace

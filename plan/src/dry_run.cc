@@ -19,6 +19,7 @@
 #include "dry_backend.h"
 #include "fsdp_plan/caching_allocator.h"
 #include "kernel_call.h"
+#include "meta_streams.h"
 
 namespace fsdp_plan {
 
@@ -106,6 +107,14 @@ struct DryRun::Recorder {
   std::vector<CollectiveRecord> collectives;
   std::vector<OpRecord> ops;
   std::vector<torch::Tensor> tracked;  // parameters
+  // The meta device's streams (a CUDA job's dry run): each stream's last op,
+  // and the waits its next op (or the host's next op) inherits.
+  std::unique_ptr<detail::MetaStreamListener> stream_listener;
+  std::unique_ptr<detail::MetaStreams> streams;
+  std::unordered_map<c10::StreamId, int64_t> last_op_on_stream;
+  std::unordered_map<c10::StreamId, std::vector<int64_t>> pending_stream_waits;
+  std::vector<int64_t> pending_host_waits;
+  std::unordered_map<c10::StreamId, int> stream_roles;  // meta stream -> its FSDP stream (stream_of)
   const std::string& current_phase() const {
     static const std::string none;
     return phase_stack.empty() ? none : phase_stack.back();
@@ -114,6 +123,11 @@ struct DryRun::Recorder {
   void mark(const at::Tensor& t, Holder holder, bool only_unmarked);
   // The index of the allocation behind `t`, or -1 when it is not one of ours.
   int64_t allocation_of(const at::Tensor& t) const;
+  // The FSDP stream (stream_of's numbering) that work issued now runs on:
+  // with meta streams, the one the calling thread's current stream plays,
+  // known from the phase of its first work (the default stream is the
+  // compute stream); without, the one FSDP2 uses for `phase_label`'s phase.
+  int stream_now(const std::string& phase_label);
   // Fills the fields every op record shares and appends it.
   void add_op(OpRecord op);
   void mark_live_optimizer_state();
@@ -176,7 +190,7 @@ class RecordingMetaAllocator final : public c10::Allocator {
     a.step = r->step;
     a.step_phase = r->step_phase;
     a.fsdp_phase = r->current_phase();
-    a.stream = stream_of(phase_of(a.fsdp_phase));
+    a.stream = r->stream_now(a.fsdp_phase);
     a.block = r->cuda.allocate(a.bytes, a.stream);
     if (const char* op = current_op()) a.op = op;
     r->live += a.bytes;
@@ -390,7 +404,7 @@ void finish_kernel(const at::RecordFunction& fn, std::unique_ptr<OpRecord> op, s
       if (const int64_t a = r->allocation_of(t); a >= 0) op->writes.push_back(a);
     });
   }
-  op->stream = stream_of(phase_of(r->current_phase()));
+  op->stream = r->stream_now(r->current_phase());
   r->add_op(std::move(*op));
 }
 
@@ -457,12 +471,61 @@ int64_t DryRun::Recorder::allocation_of(const at::Tensor& t) const {
   return cell->index;
 }
 
+int DryRun::Recorder::stream_now(const std::string& phase_label) {
+  const int by_phase = stream_of(phase_of(phase_label));
+  if (!streams) return by_phase;
+  const c10::StreamId stream = detail::current_meta_stream();
+  if (stream == 0) return 0;
+  if (auto it = stream_roles.find(stream); it != stream_roles.end()) return it->second;
+  if (by_phase != 0) stream_roles.emplace(stream, by_phase);
+  return by_phase;
+}
+
 void DryRun::Recorder::add_op(OpRecord op) {
   op.step = step;
   op.step_phase = step_phase;
   op.fsdp_phase = current_phase();
+  const c10::StreamId stream = detail::current_meta_stream();
+  if (auto it = pending_stream_waits.find(stream); it != pending_stream_waits.end()) {
+    op.after = std::move(it->second);
+    pending_stream_waits.erase(it);
+  }
+  op.host_after = std::move(pending_host_waits);
+  pending_host_waits.clear();
+  last_op_on_stream[stream] = static_cast<int64_t>(ops.size());
   ops.push_back(std::move(op));
 }
+
+namespace {
+
+// What the meta device's streams report, kept for the next op of each
+// stream (and of the host).
+class RecorderStreamListener final : public detail::MetaStreamListener {
+ public:
+  explicit RecorderStreamListener(DryRun::Recorder* r) : r_(r) {}
+  int64_t last_op_on(c10::StreamId stream) override {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    const auto it = r_->last_op_on_stream.find(stream);
+    return it == r_->last_op_on_stream.end() ? -1 : it->second;
+  }
+  void stream_waits(c10::StreamId stream, int64_t op) override {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    r_->pending_stream_waits[stream].push_back(op);
+  }
+  void host_waits(int64_t op) override {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    r_->pending_host_waits.push_back(op);
+  }
+  void host_waits_for_all() override {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    for (const auto& [stream, op] : r_->last_op_on_stream) r_->pending_host_waits.push_back(op);
+  }
+
+ private:
+  DryRun::Recorder* r_;
+};
+
+}  // namespace
 
 void DryRun::Recorder::mark_live_optimizer_state() {
   for (Allocation& a : allocations) {
@@ -516,7 +579,7 @@ std::shared_ptr<fsdp::collectives::Communicator> dry_communicator(const DryRunOp
         record.name = op;
         record.bytes = bytes;
         record.group = members;
-        record.stream = stream_of(phase_of(r->current_phase()));
+        record.stream = r->stream_now(r->current_phase());
         if (record.stream == 0) record.stream = 5;
         for (const at::Tensor& t : reads) {
           if (const int64_t a = r->allocation_of(t); a >= 0) record.reads.push_back(a);
@@ -570,11 +633,16 @@ DryRun::DryRun(DryRunOptions options) : options_(std::move(options)) {
   }
   set_attention_layout(o.engine == fsdp::collectives::BackendKind::kGloo ? AttentionLayout::kCpu
                                                                          : AttentionLayout::kCuda);
+  if (o.engine == fsdp::collectives::BackendKind::kNccl) {
+    r->stream_listener = std::make_unique<RecorderStreamListener>(r);
+    r->streams = std::make_unique<detail::MetaStreams>(r->stream_listener.get());
+  }
   meta_.emplace();
 }
 
 DryRun::~DryRun() {
   meta_.reset();
+  recorder_->streams.reset();
   at::removeCallback(callback_);
   std::lock_guard<std::mutex> lock(g_mutex);
   if (g_recorder == recorder_.get()) g_recorder = nullptr;

@@ -352,15 +352,28 @@ std::vector<TimedOp> run_timeline(const std::vector<OpRecord>& ops, const Device
   std::vector<TimedOp> out;
   out.reserve(ops.size());
   std::vector<double> stream_free(kStreamCount, 0.0);
+  // NCCL runs a communicator's collectives in issue order on its one
+  // internal stream, whichever FSDP stream issued them: a prefetched
+  // all-gather and a reduce-scatter of the same group of ranks queue behind
+  // each other. Keyed by the group's record (one per communicator).
+  std::unordered_map<const void*, double> communicator_free;
   std::unordered_map<int64_t, double> written_at, accessed_at;  // by allocation: when its last writer / accessor ends
   double host = 0;
-  // [Note: FSDP's event edges in the simulation] Beyond data, two of the
-  // runtime's events order streams (fsdp_param_group.cc): after each
-  // copy-out the all-gather copy-in and all-gather streams wait for it, so
-  // an all-gather runs at most one group ahead of the compute; and before a
-  // group's reduce-scatter copy-in the compute stream waits for the
-  // previous group's reduce-scatter (FSDP2's one reduce-scatter input in
-  // flight). Both are kept here as the end of the last such op issued.
+  // [Note: FSDP's event edges in the simulation] Beyond data, the runtime's
+  // events order its streams. A CUDA job's dry run records them
+  // (OpRecord::after, host_after) and they are followed as recorded. Without
+  // them (a dry run without streams, or ops made by hand) the two that
+  // matter are inferred (fsdp_param_group.cc): after each copy-out the
+  // all-gather copy-in and all-gather streams wait for it, so an all-gather
+  // runs at most one group ahead of the compute; and before a group's
+  // reduce-scatter copy-in the compute stream waits for the previous group's
+  // reduce-scatter (FSDP2's one reduce-scatter input in flight). Both are
+  // kept as the end of the last such op issued.
+  const bool events_recorded = std::any_of(
+      ops.begin(), ops.end(), [](const OpRecord& op) { return !op.after.empty() || !op.host_after.empty(); });
+  const auto end_of = [&out](int64_t index) {
+    return index >= 0 && static_cast<size_t>(index) < out.size() ? out[static_cast<size_t>(index)].end_s : 0.0;
+  };
   double copy_out_end = 0, reduce_scatter_end = 0;
   for (const OpRecord& op : ops) {
     const bool collective = op.kind == OpRecord::Kind::kCollective;
@@ -375,7 +388,10 @@ std::vector<TimedOp> run_timeline(const std::vector<OpRecord>& ops, const Device
     for (int64_t a : op.writes) {
       if (auto it = accessed_at.find(a); it != accessed_at.end()) ready = std::max(ready, it->second);
     }
-    if (!p.host_computes) {
+    if (events_recorded) {
+      for (int64_t k : op.after) ready = std::max(ready, end_of(k));
+      for (int64_t k : op.host_after) host = std::max(host, end_of(k));
+    } else if (!p.host_computes) {
       if (stream == 1 || stream == 2) ready = std::max(ready, copy_out_end);
       if (op.fsdp_phase.rfind("FSDP::reduce_scatter_copy_in", 0) == 0) ready = std::max(ready, reduce_scatter_end);
     }
@@ -387,7 +403,10 @@ std::vector<TimedOp> run_timeline(const std::vector<OpRecord>& ops, const Device
     } else {
       host += p.host_launch_s;
       t.start_s = std::max({host, ready, stream_free[static_cast<size_t>(stream)]});
+      double* communicator = collective && op.group ? &communicator_free[op.group.get()] : nullptr;
+      if (communicator != nullptr) t.start_s = std::max(t.start_s, *communicator);
       stream_free[static_cast<size_t>(stream)] = t.start_s + cost;
+      if (communicator != nullptr) *communicator = t.start_s + cost;
     }
     t.end_s = t.start_s + cost;
     if (op.fsdp_phase.rfind("FSDP::all_gather_copy_out", 0) == 0) copy_out_end = std::max(copy_out_end, t.end_s);
@@ -473,17 +492,6 @@ std::string format_time(const StepTime& t) {
 }
 
 std::string time_json(const StepTime& t) {
-  nlohmann::ordered_json j;
-  j["device"] = t.device;
-  j["step"] = t.step;
-  j["step_s"] = t.step_s;
-  j["tokens_per_step"] = t.tokens;
-  j["tokens_per_s"] = t.tokens_per_s;
-  j["mfu"] = t.mfu;
-  j["compute_s"] = t.compute_s;
-  j["communication_s"] = t.communication_s;
-  j["exposed_communication_s"] = t.exposed_communication_s;
-  j["flops"] = t.flops;
   nlohmann::ordered_json phases = nlohmann::ordered_json::array();
   for (const PhaseTime& r : t.phases) {
     phases.push_back({{"phase", to_string(r.phase)},
@@ -492,7 +500,17 @@ std::string time_json(const StepTime& t) {
                       {"communication_s", r.communication_s},
                       {"exposed_s", r.exposed_s}});
   }
-  j["phases"] = phases;
+  const nlohmann::ordered_json j = {{"device", t.device},
+                                    {"step", t.step},
+                                    {"step_s", t.step_s},
+                                    {"tokens_per_step", t.tokens},
+                                    {"tokens_per_s", t.tokens_per_s},
+                                    {"mfu", t.mfu},
+                                    {"compute_s", t.compute_s},
+                                    {"communication_s", t.communication_s},
+                                    {"exposed_communication_s", t.exposed_communication_s},
+                                    {"flops", t.flops},
+                                    {"phases", phases}};
   return j.dump(2);
 }
 

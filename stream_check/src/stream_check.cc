@@ -435,6 +435,14 @@ void clear_host_syncs() {
 
 bool active() { return g_model.load(std::memory_order_acquire) != nullptr; }
 
+namespace {
+std::atomic<bool> g_meta_streams{false};
+}  // namespace
+
+bool meta_streams() { return g_meta_streams.load(std::memory_order_acquire); }
+
+void set_meta_streams(bool modelled) { g_meta_streams.store(modelled, std::memory_order_release); }
+
 bool models_nccl() {
   const Model* m = g_model.load(std::memory_order_acquire);
   return m != nullptr && m->options().collectives == CollectiveModel::kNccl;

@@ -142,6 +142,54 @@ TEST(PlanTime, AllGathersWaitForTheLastCopyOutAndCopyInsForTheLastReduceScatter)
   EXPECT_NEAR(t.step_s, 9e-3, 1e-12);
 }
 
+// A CUDA job's dry run records the runtime's events (OpRecord::after and
+// host_after), and then they, not the two inferred edges above, order the
+// streams. The ops above with recorded waits: the all-gather waits for k0
+// only and starts at 3 ms (inferred: 4); the reduce-scatter copy-in waits for
+// nothing on its stream and starts at 4 ms (inferred: 8), unless the host
+// waited for the reduce-scatter before issuing it (a synchronize): 8 ms.
+TEST(PlanTime, RecordedEventsOrderTheStreamsInsteadOfTheInferredEdges) {
+  std::vector<OpRecord> ops = {
+      kernel(StepPhase::kForward, 3'000'000'000, 0, {}, {0}),
+      kernel(StepPhase::kForward, 0, 1'000'000, {0}, {1}, "FSDP::all_gather_copy_out (b0)"),
+      collective("all_gather_into_tensor", 2, StepPhase::kForward, 2'000'000, {}, {2}),
+      collective("reduce_scatter_tensor", 3, StepPhase::kBackward, 8'000'000, {1}, {3}),
+      kernel(StepPhase::kBackward, 0, 1'000'000, {}, {4}, "FSDP::reduce_scatter_copy_in (b1)"),
+  };
+  ops[2].after = {0};
+  TimelineOptions options;
+  options.device = round_profile();
+  StepTime t = simulate(ops, 1, options);
+  EXPECT_NEAR(t.ops[2].start_s, 3e-3, 1e-12);
+  EXPECT_NEAR(t.ops[3].start_s, 4e-3, 1e-12);
+  EXPECT_NEAR(t.ops[4].start_s, 4e-3, 1e-12);
+  ops[4].host_after = {3};
+  t = simulate(ops, 1, options);
+  EXPECT_NEAR(t.ops[4].issue_s, 8e-3, 1e-12);
+  EXPECT_NEAR(t.ops[4].start_s, 8e-3, 1e-12);
+}
+
+// NCCL runs one communicator's collectives in issue order on its own
+// stream: an all-gather and a reduce-scatter of the same communicator issued
+// together run one after the other, though FSDP issues them from different
+// streams; another communicator's (of the same ranks) runs beside them.
+TEST(PlanTime, OneCommunicatorsCollectivesRunInIssueOrder) {
+  std::vector<OpRecord> ops = {
+      collective("all_gather_into_tensor", 2, StepPhase::kBackward, 2'000'000, {}, {0}),  // 1 ms
+      collective("reduce_scatter_tensor", 3, StepPhase::kBackward, 4'000'000, {}, {1}),   // 2 ms
+  };
+  ops[1].group = ops[0].group;
+  TimelineOptions options;
+  options.device = round_profile();
+  StepTime t = simulate(ops, 1, options);
+  EXPECT_NEAR(t.ops[1].start_s, 1e-3, 1e-12);
+  EXPECT_NEAR(t.step_s, 3e-3, 1e-12);
+  ops[1].group = std::make_shared<const std::vector<int>>(std::vector<int>{0, 1});
+  t = simulate(ops, 1, options);
+  EXPECT_NEAR(t.ops[1].start_s, 0, 1e-12);
+  EXPECT_NEAR(t.step_s, 2e-3, 1e-12);
+}
+
 TEST(PlanTime, CollectivesAcrossNodesTakeTheNetworksBandwidth) {
   TimelineOptions options;
   options.device = round_profile();

@@ -2,6 +2,8 @@
 // run's exact prediction for a model small enough to add up by hand, the
 // simulation of large jobs (1,024 ranks, HSDP), the errors, and the tool's
 // batch search.
+#include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -75,10 +77,14 @@ struct TwoBlocks : torch::nn::Module {
   LinearBlock b0, b1;
 };
 
-// `ops`, when given, receives the run's kernels and collectives.
-MemoryReport two_blocks_at_world_size_2(std::vector<OpRecord>* ops = nullptr) {
+// `ops` and `allocations`, when given, receive the run's kernels and
+// collectives and its allocations; `engine` is the communicators' semantics.
+MemoryReport two_blocks_at_world_size_2(std::vector<OpRecord>* ops = nullptr,
+                                        fsdp::collectives::BackendKind engine = fsdp::collectives::BackendKind::kNccl,
+                                        std::vector<AllocationRecord>* allocations = nullptr) {
   DryRunOptions options;
   options.world_size = 2;
+  options.engine = engine;
   DryRun dry(options);
   auto model = std::make_shared<TwoBlocks>();
   fsdp::FullyShardOptions opts;
@@ -99,6 +105,7 @@ MemoryReport two_blocks_at_world_size_2(std::vector<OpRecord>* ops = nullptr) {
     optim.step();
   }
   if (ops != nullptr) *ops = dry.ops();
+  if (allocations != nullptr) *allocations = dry.allocations();
   return dry.memory();
 }
 
@@ -119,8 +126,10 @@ MemoryReport two_blocks_at_world_size_2(std::vector<OpRecord>* ops = nullptr) {
 //   the loss and its gradient (two scalars)                       8
 //                                                    total  110,600
 // max_memory_allocated rounds each block to 512 bytes (the scalars take 512
-// each): 111,616. Reserved: one 2 MiB small-pool segment on the compute
-// stream and one on the all-gather copy-in stream.
+// each): 111,616. Reserved: a 2 MiB small-pool segment on each stream that
+// allocates: the compute stream, the all-gather copy-in stream (the
+// all-gather outputs) and the reduce-scatter stream (the sharded gradients,
+// which the post-reduce makes there).
 // Any change to when the runtime frees one of these buffers (an all-gather
 // output kept one block longer, a reduce-scatter input freed earlier)
 // changes these numbers.
@@ -128,7 +137,7 @@ TEST(PlanDryRun, PredictsThePeakOfTwoLinearBlocksAtWorldSize2ToTheByte) {
   const MemoryReport r = two_blocks_at_world_size_2();
   EXPECT_EQ(r.peak_bytes, 110600);
   EXPECT_EQ(r.peak_allocated, 111616);
-  EXPECT_EQ(r.peak_reserved, 2 * (2 << 20));
+  EXPECT_EQ(r.peak_reserved, 3 * (2 << 20));
   EXPECT_EQ(r.peak_step, 2);
   EXPECT_EQ(r.peak_step_phase, StepPhase::kBackward);
   EXPECT_EQ(r.peak_fsdp_phase, "FSDP::all_gather_copy_out (b0)");
@@ -180,6 +189,54 @@ TEST(PlanDryRun, RecordsEachMatmulsFlopsAndTheStreamOfEachCollective) {
   EXPECT_EQ(all_gathers, 4);
   EXPECT_EQ(reduce_scatters, 2);
   EXPECT_EQ(reduce_scatters_after_their_copy_in, 2);
+}
+
+// A CUDA job's dry run (NCCL) gives the meta device streams, so the runtime
+// takes its CUDA paths and its events are recorded; a CPU job's (Gloo) has
+// none, as a CPU has none. So in step 2's forward, block 0's all-gather
+// output (16,384 bytes, made in its copy-in) outlives block 1's copy-in in a
+// CUDA job ([Note: all-gather output lifetime]: it goes at block 1's wait,
+// so that block 0's copy-out overlaps block 1's all-gather) and goes at its
+// own copy-out in a CPU job; and in
+// backward, block 0's reduce-scatter copy-in waits by an event for block 1's
+// reduce-scatter (one reduce-scatter input in flight).
+TEST(PlanDryRun, ACudaJobsDryRunTakesTheRuntimesStreamPathsAndRecordsItsEvents) {
+  for (const auto engine : {fsdp::collectives::BackendKind::kNccl, fsdp::collectives::BackendKind::kGloo}) {
+    const bool cuda = engine == fsdp::collectives::BackendKind::kNccl;
+    SCOPED_TRACE(cuda ? "NCCL" : "Gloo");
+    std::vector<OpRecord> ops;
+    std::vector<AllocationRecord> allocations;
+    two_blocks_at_world_size_2(&ops, engine, &allocations);
+    const AllocationRecord* output = nullptr;
+    int64_t b1_copy_in = INT64_MAX;
+    for (const AllocationRecord& a : allocations) {
+      if (a.step != 2 || a.step_phase != StepPhase::kForward) continue;
+      if (a.fsdp_phase == "FSDP::all_gather_copy_in (b0)" && a.bytes == 16384) output = &a;
+      if (a.fsdp_phase == "FSDP::all_gather_copy_in (b1)") b1_copy_in = std::min(b1_copy_in, a.allocated_at);
+    }
+    ASSERT_NE(output, nullptr);
+    ASSERT_NE(b1_copy_in, INT64_MAX);
+    EXPECT_EQ(output->freed_at > b1_copy_in, cuda);
+
+    int64_t b1_reduce_scatter = -1, events = 0;
+    bool b0_copy_in_seen = false;
+    for (size_t i = 0; i < ops.size(); ++i) {
+      const OpRecord& op = ops[i];
+      events += static_cast<int64_t>(op.after.size() + op.host_after.size());
+      if (op.step != 2 || op.step_phase != StepPhase::kBackward) continue;
+      if (op.name == "reduce_scatter_tensor" && op.fsdp_phase.find("(b1)") != std::string::npos) {
+        b1_reduce_scatter = static_cast<int64_t>(i);
+      }
+      if (op.fsdp_phase == "FSDP::reduce_scatter_copy_in (b0)" && !b0_copy_in_seen) {
+        b0_copy_in_seen = true;
+        ASSERT_GE(b1_reduce_scatter, 0);
+        const int64_t waited_for = op.after.empty() ? -1 : *std::max_element(op.after.begin(), op.after.end());
+        EXPECT_EQ(waited_for >= b1_reduce_scatter, cuda) << "waits for op " << waited_for;
+      }
+    }
+    EXPECT_TRUE(b0_copy_in_seen);
+    EXPECT_EQ(events > 0, cuda);
+  }
 }
 
 fsdp_train::TrainConfig small_trainer() {

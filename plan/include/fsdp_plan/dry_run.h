@@ -37,14 +37,18 @@
 // that does work) with its FLOPs, bytes and the storages it reads and writes.
 //
 // Fidelity. The runtime's own code runs, so its buffer lifetimes are what
-// the dry run sees: change one and the predicted peak changes. Two
-// differences from a CUDA run remain: meta tensors have no streams, so the
-// runtime takes its stream-less path (the one it takes on CPU), in which a
-// buffer is freed when the host is done with it, without the stream-ordered
-// waits that can keep a CUDA buffer a little longer; and kernels are modelled
-// by their meta functions, which allocate the outputs but none of a
-// kernel's own workspace (cuBLAS workspaces, flash attention's float32
-// gradient accumulator). Both are listed in docs/planning.md.
+// the dry run sees: change one and the predicted peak changes. In the dry
+// run of a CUDA job (engine kNccl) the meta device has streams and events
+// (plan/src/meta_streams.h), so the runtime takes its CUDA paths: a
+// forward all-gather output lives until the next group's all-gather is
+// issued, and every event and stream wait between FSDP's streams is
+// recorded (OpRecord::after). In
+// a CPU job's (kGloo) it has none, as the CPU has none. What remains apart
+// from a CUDA run: a buffer another stream used (record_stream) is taken as
+// reusable when the host frees it, and kernels are modelled by their meta
+// functions, which allocate the outputs but none of a kernel's own
+// workspace (cuBLAS workspaces, flash attention's float32 gradient
+// accumulator). Both are listed in docs/planning.md.
 //
 // Errors: the constructor throws c10::Error naming the option when the world
 // size, rank or mesh shape is inconsistent, and when another DryRun is alive.
@@ -131,6 +135,12 @@ struct OpRecord {
   // The storages it reads and writes, as indices into allocations(): the
   // data dependencies between streams that FSDP's events enforce.
   std::vector<int64_t> reads, writes;
+  // The ops it waits for by the runtime's events, as indices into ops(): its
+  // stream waited for them (an event recorded after them, blocked on; a
+  // stream's wait for another), or the host did before issuing it (an event
+  // or stream synchronize). Recorded when the meta device has streams (a
+  // CUDA job: DryRunOptions::engine kNccl); empty in a CPU job's dry run.
+  std::vector<int64_t> after, host_after;
 };
 
 // One storage the simulated rank allocated.

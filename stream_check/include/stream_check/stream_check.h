@@ -160,6 +160,14 @@ class Checker {
 // Whether a Checker is alive. Cheap (one atomic load).
 bool active();
 
+// Whether the meta device has modelled streams now: the planner's dry run of
+// a CUDA job (fsdp_plan/dry_run.h) gives the meta device streams and events
+// of its own, so that the FSDP runtime takes its CUDA paths (stream-ordered
+// buffer lifetimes, events between its streams) on meta tensors. Set only by
+// the code that installs those streams. Cheap (one atomic load).
+bool meta_streams();
+void set_meta_streams(bool modelled);
+
 // Whether a live Checker models NCCL's semantics for CPU communicators
 // (Options::collectives == CollectiveModel::kNccl).
 bool models_nccl();
