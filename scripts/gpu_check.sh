@@ -6,7 +6,9 @@
 #      fsdp2cpp_gpu_check target: the gpu-labelled tests and the trainer;
 #   2. every CTest test labelled `gpu` (ctest -L gpu);
 #   3. the GPU benchmarks that exist in this tree (missing ones are listed as
-#      skipped) and a short CUDA training run of fsdp_train with --profile;
+#      skipped: fsdp_bench's CUDA rows, the planner's simulated step against
+#      the measured one) and a short CUDA training run of fsdp_train with
+#      --profile;
 #   4. the report: device, driver, then PASS / FAIL / SKIP and the wall time of
 #      every step and test. Logs stay in $GPU_BUILD/gpu-check/.
 # Exits 0 when everything ran and passed; 1 when something failed; 2 when
@@ -123,6 +125,15 @@ if ((built)); then
     run_bench fsdp_bench_cuda "$bench_dir/fsdp_bench" --device cuda --nproc 1
   else
     record SKIP fsdp_bench_cuda 0 "fsdp_bench has no --device flag in this tree"
+  fi
+  # The planner's simulated step against fsdp_train's on this GPU (issue 32),
+  # under the shipped profile of this GPU.
+  if [[ -x "$bench_dir/fsdp_plan_time_bench" ]] && "$bench_dir/fsdp_plan_time_bench" --helpfull 2>&1 | grep -q -- '--profile'; then
+    profile=h100
+    [[ "$device" == *H200* ]] && profile=h200
+    run_bench fsdp_plan_time_bench_cuda "$bench_dir/fsdp_plan_time_bench" --device cuda --profile "$profile" --max-nproc 1
+  else
+    record SKIP fsdp_plan_time_bench_cuda 0 "fsdp_plan_time_bench has no --device cuda in this tree"
   fi
   for bin in "$bench_dir"/*gpu*bench* "$bench_dir"/*bench*gpu* "$bench_dir"/*cuda*bench*; do
     [[ -x "$bin" && -f "$bin" ]] && run_bench "$(basename "$bin")" "$bin"

@@ -246,6 +246,7 @@ std::shared_ptr<World> World::from_store(c10::intrusive_ptr<c10d::Store> store, 
       std::shared_ptr<World>(new World(std::move(store), rank, world_size, local_rank >= 0 ? local_rank : rank,
                                        local_world_size >= 1 ? local_world_size : world_size, std::move(description)));
   world->monitor_ = std::make_shared<detail::DivergenceMonitor>(world->store_, rank, world_size, options.divergence);
+  world->group_maker_ = options.group_maker;
   return world;
 }
 
@@ -259,8 +260,8 @@ namespace {
 
 // new_group's members are distinct ranks of the world, this one among them,
 // on a device type with an engine; returns this rank's rank in the group.
-int check_members(const std::vector<int>& ranks, const std::string& members, c10::DeviceType device_type, int rank,
-                  int size, const std::string& description) {
+int check_members(const std::vector<int>& ranks, const std::string& members, int rank, int size,
+                  const std::string& description) {
   TORCH_CHECK(!ranks.empty(), "fsdp2cpp: new_group on ", description, ": the member list is empty");
   std::set<int> seen;
   for (int r : ranks) {
@@ -272,8 +273,6 @@ int check_members(const std::vector<int>& ranks, const std::string& members, c10
   const auto self = std::find(ranks.begin(), ranks.end(), rank);
   TORCH_CHECK(self != ranks.end(), "fsdp2cpp: new_group([", members, "]) on ", description, ": this rank (", rank,
               ") is not a member; only the members of a group call new_group for it");
-  TORCH_CHECK(device_type == c10::kCPU || device_type == c10::kCUDA, "fsdp2cpp: new_group([", members,
-              "]): device type ", c10::DeviceTypeName(device_type, true), " has no collective engine; use cpu or cuda");
   return static_cast<int>(self - ranks.begin());
 }
 
@@ -346,7 +345,10 @@ void wait_for_group_members(const c10::intrusive_ptr<c10d::Store>& group_store, 
 std::shared_ptr<Communicator> World::new_group(const std::vector<int>& ranks, c10::DeviceType device_type,
                                                const CommunicatorOptions& options) {
   const std::string members = join_ranks(ranks);
-  const int group_rank = check_members(ranks, members, device_type, rank_, size_, description_);
+  const int group_rank = check_members(ranks, members, rank_, size_, description_);
+  if (group_maker_) return group_maker_(ranks, device_type);
+  TORCH_CHECK(device_type == c10::kCPU || device_type == c10::kCUDA, "fsdp2cpp: new_group([", members,
+              "]): device type ", c10::DeviceTypeName(device_type, true), " has no collective engine; use cpu or cuda");
   const BackendKind kind = backend_kind(options.backend, device_type, members);
 
   int index = 0;

@@ -556,12 +556,10 @@ std::vector<int64_t> checked_mesh_shape(const DryRunOptions& o) {
   return shape;
 }
 
-// A communicator of the dry run over the global ranks `members` (a 1-D
-// tensor), recording each collective it issues into `r`.
-std::shared_ptr<fsdp::collectives::Communicator> dry_communicator(const DryRunOptions& o, const at::Tensor& members,
-                                                                  DryRun::Recorder* r) {
-  std::vector<int> global;
-  for (int64_t i = 0; i < members.numel(); ++i) global.push_back(static_cast<int>(members[i].item<int64_t>()));
+// A communicator of the dry run over the global ranks `global`, recording
+// each collective it issues into `r`.
+std::shared_ptr<fsdp::collectives::Communicator> dry_communicator(const DryRunOptions& o,
+                                                                  const std::vector<int>& global, DryRun::Recorder* r) {
   const int group_rank = static_cast<int>(std::find(global.begin(), global.end(), o.rank) - global.begin());
   const std::string name =
       fsdp::collectives::to_string(o.engine) + "[" +
@@ -616,13 +614,22 @@ DryRun::DryRun(DryRunOptions options) : options_(std::move(options)) {
           .needsOutputs(true));
 
   // The mesh, built before the meta mode starts: its rank layout is a CPU tensor.
+  Recorder* r = recorder_.get();
   fsdp::collectives::RendezvousOptions rendezvous;
   rendezvous.divergence.strict = false;
+  // The groups the runtime makes itself (reshard_after_forward to a smaller
+  // world, a separate reduce-scatter group) are dry communicators too.
+  rendezvous.group_maker = [o, r](const std::vector<int>& ranks, c10::DeviceType) {
+    return dry_communicator(o, ranks, r);
+  };
   auto world = fsdp::collectives::World::from_store(c10::make_intrusive<DryStore>(o.world_size), o.rank, o.world_size,
                                                     "dry run", rendezvous);
   const at::Tensor layout = at::arange(o.world_size, at::kLong).view(shape);
-  Recorder* r = recorder_.get();
-  auto group = [&](const at::Tensor& members) { return dry_communicator(o, members, r); };
+  auto group = [&](const at::Tensor& members) {
+    std::vector<int> global;
+    for (int64_t i = 0; i < members.numel(); ++i) global.push_back(static_cast<int>(members[i].item<int64_t>()));
+    return dry_communicator(o, global, r);
+  };
   if (shape.size() == 1) {
     mesh_.emplace(fsdp::DeviceMesh::from_communicators(world, layout, {group(layout)}, {"shard"}));
   } else {

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -237,6 +238,53 @@ TEST(PlanDryRun, ACudaJobsDryRunTakesTheRuntimesStreamPathsAndRecordsItsEvents) 
     EXPECT_TRUE(b0_copy_in_seen);
     EXPECT_EQ(events > 0, cuda);
   }
+}
+
+// The groups the runtime makes for itself are dry communicators too: with
+// reshard_after_forward 2 at world size 8, each block keeps after forward
+// the rows of 4 of the 8 shards (half its weight, 8,192 bytes) and
+// backward rebuilds its weight (16,384 bytes) by an all-gather within 2
+// ranks; forward's all-gathers span all 8. With a separate reduce-scatter
+// group, the reduce-scatters run on a communicator of their own.
+TEST(PlanDryRun, PlansTheGroupsTheRuntimeMakesItself) {
+  DryRunOptions options;
+  options.world_size = 8;
+  DryRun dry(options);
+  auto model = std::make_shared<TwoBlocks>();
+  fsdp::FullyShardOptions opts;
+  opts.mesh = dry.mesh();
+  opts.reshard_after_forward = fsdp::ReshardAfterForward(2);
+  fsdp::fully_shard(model->b0, opts);
+  fsdp::fully_shard(model->b1, opts);
+  fsdp::FSDPModule root = fsdp::fully_shard(model, opts);
+  root.set_separate_reduce_scatter_group();
+  torch::optim::AdamW optim(model->parameters(), 1e-3);
+  dry.track(model);
+  for (int step = 0; step < 2; ++step) {
+    dry.begin(StepPhase::kForward);
+    optim.zero_grad();
+    at::Tensor loss = fsdp::call_module(*model, at::randn({8, 64})).sum();
+    dry.begin(StepPhase::kBackward);
+    loss.backward();
+    loss.reset();
+    dry.begin(StepPhase::kOptimizer);
+    optim.step();
+  }
+  std::map<std::string, int> forward, backward;  // "op over N ranks, B bytes" -> count
+  std::set<const std::vector<int>*> all_gather_groups, reduce_scatter_groups;
+  for (const OpRecord& op : dry.ops()) {
+    if (op.step != 2 || op.kind != OpRecord::Kind::kCollective) continue;
+    const std::string what =
+        op.name + " over " + std::to_string(op.group->size()) + " ranks, " + std::to_string(op.bytes) + " bytes";
+    ++(op.step_phase == StepPhase::kForward ? forward : backward)[what];
+    if (op.name == "all_gather_into_tensor") all_gather_groups.insert(op.group.get());
+    if (op.name == "reduce_scatter_tensor") reduce_scatter_groups.insert(op.group.get());
+  }
+  EXPECT_EQ(forward, (std::map<std::string, int>{{"all_gather_into_tensor over 8 ranks, 16384 bytes", 2}}));
+  EXPECT_EQ(backward["all_gather_into_tensor over 2 ranks, 16384 bytes"], 2);
+  EXPECT_EQ(backward["reduce_scatter_tensor over 8 ranks, 16384 bytes"], 2);
+  ASSERT_FALSE(reduce_scatter_groups.empty());
+  for (const std::vector<int>* group : reduce_scatter_groups) EXPECT_EQ(all_gather_groups.count(group), 0u);
 }
 
 fsdp_train::TrainConfig small_trainer() {

@@ -120,9 +120,15 @@ fsdp_train::TrainConfig model_shape(int64_t layers, int64_t dim, int64_t heads, 
 }
 
 std::vector<std::string> model_flags(const fsdp_train::TrainConfig& shape) {
-  return {"--layers",       std::to_string(shape.layers),       "--dim",     std::to_string(shape.dim),
-          "--heads",        std::to_string(shape.heads),        "--seq-len", std::to_string(shape.seq_len),
-          "--global-batch", std::to_string(shape.global_batch), "--clip",    std::to_string(shape.clip)};
+  std::vector<std::string> flags = {
+      "--layers",       std::to_string(shape.layers),       "--dim",     std::to_string(shape.dim),
+      "--heads",        std::to_string(shape.heads),        "--seq-len", std::to_string(shape.seq_len),
+      "--global-batch", std::to_string(shape.global_batch), "--clip",    std::to_string(shape.clip)};
+  const fsdp_train::TrainConfig defaults;
+  if (shape.kv_heads != defaults.kv_heads) flags.insert(flags.end(), {"--kv-heads", std::to_string(shape.kv_heads)});
+  if (shape.hidden != defaults.hidden) flags.insert(flags.end(), {"--hidden", std::to_string(shape.hidden)});
+  if (shape.param_dtype != defaults.param_dtype) flags.insert(flags.end(), {"--param-dtype", shape.param_dtype});
+  return flags;
 }
 
 namespace {

@@ -99,7 +99,8 @@ struct NamedShape {
 };
 
 // The flags of fsdp_train (and fsdp_plan) that give `shape`: --layers,
-// --dim, --heads, --seq-len, --global-batch and --clip.
+// --dim, --heads, --seq-len, --global-batch and --clip, and --kv-heads,
+// --hidden and --param-dtype where they are not the trainer's defaults.
 std::vector<std::string> model_flags(const fsdp_train::TrainConfig& shape);
 
 // One training run's figures.

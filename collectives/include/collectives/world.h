@@ -28,6 +28,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -78,6 +79,13 @@ struct RendezvousOptions {
   // The flight recorder and the diagnosis of ranks that stopped issuing the
   // same collectives (divergence.h), for every communicator the World makes.
   DivergenceOptions divergence = DivergenceOptions::from_env();
+  // Makes the communicators of new_group and shared_group instead of an
+  // engine, without the members' store barrier: for a simulated world whose
+  // groups move no bytes (the planner's dry run, fsdp_plan/dry_run.h), and
+  // which may be on any device type. Called with the checked member list
+  // (global ranks, in group-rank order) and the device type. Empty: the
+  // engines, as below.
+  std::function<std::shared_ptr<Communicator>(const std::vector<int>& ranks, c10::DeviceType device_type)> group_maker;
 };
 
 class World {
@@ -158,6 +166,8 @@ class World {
   std::map<std::string, int> group_counts_;
   // Groups made by shared_group, by member list, device type and backend.
   std::map<std::string, std::weak_ptr<Communicator>> shared_groups_;
+  // RendezvousOptions::group_maker.
+  std::function<std::shared_ptr<Communicator>(const std::vector<int>&, c10::DeviceType)> group_maker_;
   // Shared with the communicators, which may outlive the World.
   std::shared_ptr<detail::DivergenceMonitor> monitor_;
 };
