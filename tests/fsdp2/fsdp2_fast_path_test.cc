@@ -34,6 +34,7 @@ struct ShardedTransformer {
   std::shared_ptr<Transformer> model;
   std::vector<FSDPModule> blocks;
   std::optional<FSDPModule> root;
+  std::shared_ptr<LossModel> reference;  // the same model unsharded, with the same initial values
 };
 
 ShardedTransformer shard_transformer(testing::RankContext& ctx, const FullyShardOptions& extra = {}) {
@@ -43,6 +44,7 @@ ShardedTransformer shard_transformer(testing::RankContext& ctx, const FullyShard
   o.mesh = ctx.mesh();
   for (auto& b : s.model->blocks()) s.blocks.push_back(fully_shard(b, o));
   s.root = fully_shard(s.model, o);
+  s.reference = make_model(ModelKind::kTransformer);
   return s;
 }
 
@@ -113,18 +115,17 @@ TEST(FastPath, TrainingEqualsUnshardedLibTorchWithoutCollectives) {
   testing::run_distributed(1, [](testing::RankContext& ctx) {
     for (double clip : {0.0, 0.05}) {
       SCOPED_TRACE(clip > 0 ? "clip_grad_norm_" : "no clipping");
-      auto reference = make_model(ModelKind::kTransformer);
       ShardedTransformer s = shard_transformer(ctx);
       auto optim = make_optimizer(Optim::kAdamW, s.model->parameters());
-      auto ref_optim = make_optimizer(Optim::kAdamW, reference->parameters());
+      auto ref_optim = make_optimizer(Optim::kAdamW, s.reference->parameters());
       const auto pointers = data_pointers(*s.model);
       for (int step = 0; step < 4; ++step) {
         const Batch batch = make_batch(ModelKind::kTransformer, step, kRows);
         ref_optim->zero_grad();
-        at::Tensor ref_loss = reference->forward(batch.x, batch.y);
+        at::Tensor ref_loss = s.reference->forward(batch.x, batch.y);
         ref_loss.backward();
         double ref_norm = 0;
-        if (clip > 0) ref_norm = torch::nn::utils::clip_grad_norm_(reference->parameters(), clip);
+        if (clip > 0) ref_norm = torch::nn::utils::clip_grad_norm_(s.reference->parameters(), clip);
         ref_optim->step();
 
         optim->zero_grad();
@@ -142,10 +143,10 @@ TEST(FastPath, TrainingEqualsUnshardedLibTorchWithoutCollectives) {
         optim->step();
         if (clip > 0) continue;
         EXPECT_EQ(loss.item<double>(), ref_loss.item<double>()) << "step " << step;
-        expect_grads_equal(*s.model, *reference);
-        expect_params_equal(*s.model, *reference);
+        expect_grads_equal(*s.model, *s.reference);
+        expect_params_equal(*s.model, *s.reference);
       }
-      expect_params_match(*s.model, *reference, ctx.mesh(), /*rtol=*/1e-5, /*atol=*/1e-6);
+      expect_params_match(*s.model, *s.reference, ctx.mesh(), /*rtol=*/1e-5, /*atol=*/1e-6);
       EXPECT_EQ(data_pointers(*s.model), pointers);
       expect_no_collectives(*s.root);
     }
@@ -156,7 +157,6 @@ TEST(FastPath, TrainingEqualsUnshardedLibTorchWithoutCollectives) {
 // shape, the shard's memory, which reshard does not free.
 TEST(FastPath, UnshardedParametersAreTheShards) {
   testing::run_distributed(1, [](testing::RankContext& ctx) {
-    auto reference = make_model(ModelKind::kTransformer);
     ShardedTransformer s = shard_transformer(ctx);
     at::Tensor w = s.model->blocks_[0]->fc1->weight;
     const void* shard = w.const_data_ptr();
@@ -164,7 +164,7 @@ TEST(FastPath, UnshardedParametersAreTheShards) {
     handle.wait();
     EXPECT_EQ(w.const_data_ptr(), shard);
     EXPECT_EQ(s.blocks[0].unsharded_bytes(), param_bytes(*s.model->blocks_[0]));
-    expect_equal(w.detach(), reference->blocks()[0]->named_parameters()["fc1.weight"].detach(), "fc1.weight");
+    expect_equal(w.detach(), s.reference->blocks()[0]->named_parameters()["fc1.weight"].detach(), "fc1.weight");
     s.blocks[0].reshard();
     EXPECT_EQ(s.blocks[0].unsharded_bytes(), 0);
     EXPECT_EQ(w.const_data_ptr(), shard);
@@ -180,17 +180,16 @@ TEST(FastPath, GradientAccumulationWithAndWithoutSync) {
   testing::run_distributed(1, [](testing::RankContext& ctx) {
     for (bool sync_each : {true, false}) {
       SCOPED_TRACE(sync_each ? "sync every micro-batch" : "sync on the last micro-batch only");
-      auto reference = make_model(ModelKind::kTransformer);
       ShardedTransformer s = shard_transformer(ctx);
       auto optim = make_optimizer(Optim::kAdamW, s.model->parameters());
-      auto ref_optim = make_optimizer(Optim::kAdamW, reference->parameters());
+      auto ref_optim = make_optimizer(Optim::kAdamW, s.reference->parameters());
       for (int step = 0; step < 3; ++step) {
         const Batch batch = make_batch(ModelKind::kTransformer, step, 3 * kRows);
         ref_optim->zero_grad();
         optim->zero_grad();
         for (int m = 0; m < 3; ++m) {
           const Batch mb = batch.slice(m, 3);
-          reference->forward(mb.x, mb.y).backward();
+          s.reference->forward(mb.x, mb.y).backward();
           if (!sync_each) s.root->set_requires_gradient_sync(m == 2);
           call_module(*s.model, mb.x, mb.y).backward();
           if (!sync_each && m < 2) {
@@ -198,11 +197,11 @@ TEST(FastPath, GradientAccumulationWithAndWithoutSync) {
             for (const auto& p : s.model->parameters()) EXPECT_FALSE(p.grad().defined());
           }
         }
-        expect_grads_equal(*s.model, *reference);
+        expect_grads_equal(*s.model, *s.reference);
         ref_optim->step();
         optim->step();
       }
-      expect_params_equal(*s.model, *reference);
+      expect_params_equal(*s.model, *s.reference);
       expect_no_collectives(*s.root);
     }
   });
@@ -224,7 +223,6 @@ struct RecordingHook : torch::autograd::PostAccumulateGradHook {
 // autograd's accumulation.
 TEST(FastPath, ReductionControlsAndHooks) {
   testing::run_distributed(1, [](testing::RankContext& ctx) {
-    auto reference = make_model(ModelKind::kTransformer);
     ShardedTransformer s = shard_transformer(ctx);
     s.blocks[0].set_gradient_divide_factor(4.0);
     s.blocks[1].set_force_sum_reduction_for_comms(true);
@@ -249,9 +247,9 @@ TEST(FastPath, ReductionControlsAndHooks) {
       SCOPED_TRACE("backward " + std::to_string(step));
       const Batch batch = make_batch(ModelKind::kTransformer, step, kRows);
       // No zero_grad: the second backward adds to the first's gradients.
-      reference->forward(batch.x, batch.y).backward();
+      s.reference->forward(batch.x, batch.y).backward();
       call_module(*s.model, batch.x, batch.y).backward();
-      expect_grads_equal(*s.model, *reference, scale);
+      expect_grads_equal(*s.model, *s.reference, scale);
       ASSERT_EQ(block_hook_grads.size(), static_cast<size_t>(step + 1));
       ASSERT_EQ(root_hook_grads.size(), static_cast<size_t>(step + 1));
       expect_equal(block_hook_grads.back(), block_weight.grad(), "block hook's gradient");
@@ -283,14 +281,13 @@ TEST(FastPath, ReductionControlsAndHooks) {
 // training afterwards.
 TEST(FastPath, StateDictsAndTorchLoad) {
   testing::run_distributed(1, [](testing::RankContext& ctx) {
-    auto reference = make_model(ModelKind::kTransformer);
     ShardedTransformer s = shard_transformer(ctx);
     auto optim = make_optimizer(Optim::kAdamW, s.model->parameters());
-    auto ref_optim = make_optimizer(Optim::kAdamW, reference->parameters());
+    auto ref_optim = make_optimizer(Optim::kAdamW, s.reference->parameters());
     auto train = [&](int step) {
       const Batch batch = make_batch(ModelKind::kTransformer, step, kRows);
       ref_optim->zero_grad();
-      reference->forward(batch.x, batch.y).backward();
+      s.reference->forward(batch.x, batch.y).backward();
       ref_optim->step();
       optim->zero_grad();
       call_module(*s.model, batch.x, batch.y).backward();
@@ -298,7 +295,7 @@ TEST(FastPath, StateDictsAndTorchLoad) {
     };
     for (int step = 0; step < 2; ++step) train(step);
     auto params = s.model->named_parameters();
-    auto ref_params = reference->named_parameters();
+    auto ref_params = s.reference->named_parameters();
     StateDict sd = get_model_state_dict(*s.model);
     for (const auto& [fqn, value] : sd) {
       ASSERT_TRUE(value.is_dtensor()) << fqn;
@@ -311,10 +308,10 @@ TEST(FastPath, StateDictsAndTorchLoad) {
 
     ShardedTransformer loaded = shard_transformer(ctx);
     set_model_state_dict(*loaded.model, sd);
-    expect_params_equal(*loaded.model, *reference);
+    expect_params_equal(*loaded.model, *s.reference);
     ShardedTransformer loaded_full = shard_transformer(ctx);
     set_model_state_dict(*loaded_full.model, full_sd);
-    expect_params_equal(*loaded_full.model, *reference);
+    expect_params_equal(*loaded_full.model, *s.reference);
 
     // torch::load points the parameters at the loaded tensors: the next
     // unshard copies them into the shards.
@@ -324,12 +321,12 @@ TEST(FastPath, StateDictsAndTorchLoad) {
     {
       c10::NoGradGuard no_grad;
       EXPECT_EQ(call_module(*from_file.model, batch.x, batch.y).item<double>(),
-                reference->forward(batch.x, batch.y).item<double>());
+                s.reference->forward(batch.x, batch.y).item<double>());
     }
     for (const auto& [fqn, value] : get_model_state_dict(*from_file.model)) {
       EXPECT_EQ(value.local().const_data_ptr(), from_file.model->named_parameters()[fqn].const_data_ptr()) << fqn;
     }
-    expect_params_equal(*from_file.model, *reference);
+    expect_params_equal(*from_file.model, *s.reference);
 
     // Training goes on identically from the loaded model (optimizer state
     // restarts, as for the reference's copy).
@@ -338,7 +335,7 @@ TEST(FastPath, StateDictsAndTorchLoad) {
       {
         c10::NoGradGuard no_grad;
         auto dst = ref_copy->parameters();
-        auto src = reference->parameters();
+        auto src = s.reference->parameters();
         for (size_t i = 0; i < src.size(); ++i) dst[i].copy_(src[i]);
       }
       auto m_optim = make_optimizer(Optim::kAdamW, m->model->parameters());
@@ -363,10 +360,9 @@ TEST(FastPath, StateDictsAndTorchLoad) {
 // next step equals the reference's.
 TEST(FastPath, ResetIterStateDropsTheAbandonedStep) {
   testing::run_distributed(1, [](testing::RankContext& ctx) {
-    auto reference = make_model(ModelKind::kTransformer);
     ShardedTransformer s = shard_transformer(ctx);
     auto optim = make_optimizer(Optim::kAdamW, s.model->parameters());
-    auto ref_optim = make_optimizer(Optim::kAdamW, reference->parameters());
+    auto ref_optim = make_optimizer(Optim::kAdamW, s.reference->parameters());
     for (int step = 0; step < 2; ++step) {
       const Batch abandoned = make_batch(ModelKind::kTransformer, 100 + step, kRows);
       if (step == 0) {
@@ -382,14 +378,14 @@ TEST(FastPath, ResetIterStateDropsTheAbandonedStep) {
 
       const Batch batch = make_batch(ModelKind::kTransformer, step, kRows);
       ref_optim->zero_grad();
-      reference->forward(batch.x, batch.y).backward();
+      s.reference->forward(batch.x, batch.y).backward();
       ref_optim->step();
       optim->zero_grad();
       call_module(*s.model, batch.x, batch.y).backward();
-      expect_grads_equal(*s.model, *reference);
+      expect_grads_equal(*s.model, *s.reference);
       optim->step();
     }
-    expect_params_equal(*s.model, *reference);
+    expect_params_equal(*s.model, *s.reference);
     expect_no_collectives(*s.root);
   });
 }

@@ -13,6 +13,7 @@
 #include "fsdp_common/config.h"
 #include "fsdp_plan/dry_run.h"
 #include "fsdp_testing/distributed_test.h"
+#include "plan_models.h"
 #include "trainer_plan.h"
 #if FSDP2CPP_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -27,11 +28,7 @@ constexpr int64_t kLocalBatch = 8;
 
 // About 4.5 GiB at its peak (step 2's backward), 70% activations.
 fsdp_train::TrainConfig gpu_config() {
-  fsdp_train::TrainConfig c;
-  c.layers = 8;
-  c.dim = 1024;
-  c.heads = 16;
-  c.seq_len = 1024;
+  fsdp_train::TrainConfig c = trainer_shape(8, 1024, 16, 1024);
   c.global_batch = kLocalBatch;
   c.param_dtype = "bf16";
   return c;

@@ -39,16 +39,20 @@ struct Runner {
   std::function<void(const PhaseFn&)> step;
 };
 
-// The trainer's model as fsdp_train shards it: 2 blocks, dim 128, 4 heads,
-// seq 64, 4 sequences per rank.
-inline fsdp_train::TrainConfig trainer_config() {
+// The trainer's configuration with this model shape, every other setting
+// fsdp_train's default.
+inline fsdp_train::TrainConfig trainer_shape(int64_t layers, int64_t dim, int64_t heads, int64_t seq_len) {
   fsdp_train::TrainConfig c;
-  c.layers = 2;
-  c.dim = 128;
-  c.heads = 4;
-  c.seq_len = 64;
+  c.layers = layers;
+  c.dim = dim;
+  c.heads = heads;
+  c.seq_len = seq_len;
   return c;
 }
+
+// The trainer's model as fsdp_train shards it: 2 blocks, dim 128, 4 heads,
+// seq 64, 4 sequences per rank.
+inline fsdp_train::TrainConfig trainer_config() { return trainer_shape(2, 128, 4, 64); }
 
 inline Runner trainer_runner(const fsdp::DeviceMesh& mesh, const c10::Device& device) {
   const fsdp_train::TrainConfig c = trainer_config();

@@ -24,11 +24,8 @@ using ::testing::HasSubstr;
 DeviceProfile round_profile() {
   DeviceProfile p;
   p.name = "round";
-  p.peak_flops_bf16 = 1e12;
-  p.peak_flops_fp32 = 1e12;
-  p.memory_bandwidth = 1e9;
-  p.intra_node_bandwidth = 1e9;
-  p.inter_node_bandwidth = 1e9;
+  for (double* flops : {&p.peak_flops_bf16, &p.peak_flops_fp32}) *flops = 1e12;
+  for (double* bandwidth : {&p.memory_bandwidth, &p.intra_node_bandwidth, &p.inter_node_bandwidth}) *bandwidth = 1e9;
   return p;
 }
 

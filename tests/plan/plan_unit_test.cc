@@ -20,6 +20,7 @@
 #include "fsdp2/fully_shard.h"
 #include "fsdp_plan/caching_allocator.h"
 #include "fsdp_plan/dry_run.h"
+#include "plan_models.h"
 #include "trainer_plan.h"
 
 namespace fsdp_plan::test {
@@ -78,6 +79,29 @@ struct TwoBlocks : torch::nn::Module {
   LinearBlock b0, b1;
 };
 
+// Each block of `model` sharded with `options` over `mesh`, then the root.
+fsdp::FSDPModule shard_two_blocks(const std::shared_ptr<TwoBlocks>& model, const fsdp::DeviceMesh& mesh,
+                                  fsdp::FullyShardOptions options = {}) {
+  options.mesh = mesh;
+  fsdp::fully_shard(model->b0, options);
+  fsdp::fully_shard(model->b1, options);
+  return fsdp::fully_shard(model, options);
+}
+
+// Two steps of 8 rows of `model` under `dry`, each phase marked.
+void train_two_steps(DryRun& dry, TwoBlocks& model, torch::optim::Optimizer& optim) {
+  for (int step = 0; step < 2; ++step) {
+    dry.begin(StepPhase::kForward);
+    optim.zero_grad();
+    at::Tensor loss = fsdp::call_module(model, at::randn({8, 64})).sum();
+    dry.begin(StepPhase::kBackward);
+    loss.backward();
+    loss.reset();
+    dry.begin(StepPhase::kOptimizer);
+    optim.step();
+  }
+}
+
 // `ops` and `allocations`, when given, receive the run's kernels and
 // collectives and its allocations; `engine` is the communicators' semantics.
 MemoryReport two_blocks_at_world_size_2(std::vector<OpRecord>* ops = nullptr,
@@ -88,23 +112,10 @@ MemoryReport two_blocks_at_world_size_2(std::vector<OpRecord>* ops = nullptr,
   options.engine = engine;
   DryRun dry(options);
   auto model = std::make_shared<TwoBlocks>();
-  fsdp::FullyShardOptions opts;
-  opts.mesh = dry.mesh();
-  fsdp::fully_shard(model->b0, opts);
-  fsdp::fully_shard(model->b1, opts);
-  fsdp::fully_shard(model, opts);
+  shard_two_blocks(model, dry.mesh());
   torch::optim::AdamW optim(model->parameters(), 1e-3);
   dry.track(model);
-  for (int step = 0; step < 2; ++step) {
-    dry.begin(StepPhase::kForward);
-    optim.zero_grad();
-    at::Tensor loss = fsdp::call_module(*model, at::randn({8, 64})).sum();
-    dry.begin(StepPhase::kBackward);
-    loss.backward();
-    loss.reset();
-    dry.begin(StepPhase::kOptimizer);
-    optim.step();
-  }
+  train_two_steps(dry, *model, optim);
   if (ops != nullptr) *ops = dry.ops();
   if (allocations != nullptr) *allocations = dry.allocations();
   return dry.memory();
@@ -252,24 +263,12 @@ TEST(PlanDryRun, PlansTheGroupsTheRuntimeMakesItself) {
   DryRun dry(options);
   auto model = std::make_shared<TwoBlocks>();
   fsdp::FullyShardOptions opts;
-  opts.mesh = dry.mesh();
   opts.reshard_after_forward = fsdp::ReshardAfterForward(2);
-  fsdp::fully_shard(model->b0, opts);
-  fsdp::fully_shard(model->b1, opts);
-  fsdp::FSDPModule root = fsdp::fully_shard(model, opts);
+  fsdp::FSDPModule root = shard_two_blocks(model, dry.mesh(), opts);
   root.set_separate_reduce_scatter_group();
   torch::optim::AdamW optim(model->parameters(), 1e-3);
   dry.track(model);
-  for (int step = 0; step < 2; ++step) {
-    dry.begin(StepPhase::kForward);
-    optim.zero_grad();
-    at::Tensor loss = fsdp::call_module(*model, at::randn({8, 64})).sum();
-    dry.begin(StepPhase::kBackward);
-    loss.backward();
-    loss.reset();
-    dry.begin(StepPhase::kOptimizer);
-    optim.step();
-  }
+  train_two_steps(dry, *model, optim);
   std::map<std::string, int> forward, backward;  // "op over N ranks, B bytes" -> count
   std::set<const std::vector<int>*> all_gather_groups, reduce_scatter_groups;
   for (const OpRecord& op : dry.ops()) {
@@ -287,14 +286,7 @@ TEST(PlanDryRun, PlansTheGroupsTheRuntimeMakesItself) {
   for (const std::vector<int>* group : reduce_scatter_groups) EXPECT_EQ(all_gather_groups.count(group), 0u);
 }
 
-fsdp_train::TrainConfig small_trainer() {
-  fsdp_train::TrainConfig c;
-  c.layers = 2;
-  c.dim = 64;
-  c.heads = 4;
-  c.seq_len = 32;
-  return c;
-}
+fsdp_train::TrainConfig small_trainer() { return trainer_shape(2, 64, 4, 32); }
 
 // Every reduce-scatter of the trainer's step (bf16 parameters, fp32
 // reduction: the copy-in casts) reads only what the compute stream's copy-in
