@@ -346,7 +346,12 @@ std::shared_ptr<Communicator> World::new_group(const std::vector<int>& ranks, c1
                                                const CommunicatorOptions& options) {
   const std::string members = join_ranks(ranks);
   const int group_rank = check_members(ranks, members, rank_, size_, description_);
-  if (group_maker_) return group_maker_(ranks, device_type);
+  if (group_maker_) {
+    std::shared_ptr<Communicator> group = group_maker_(ranks, device_type);
+    TORCH_CHECK(group != nullptr, "fsdp2cpp: new_group([", members, "]) on ", description_,
+                ": RendezvousOptions::group_maker returned no communicator; it must return one for every group");
+    return group;
+  }
   TORCH_CHECK(device_type == c10::kCPU || device_type == c10::kCUDA, "fsdp2cpp: new_group([", members,
               "]): device type ", c10::DeviceTypeName(device_type, true), " has no collective engine; use cpu or cuda");
   const BackendKind kind = backend_kind(options.backend, device_type, members);

@@ -53,12 +53,13 @@ namespace {
 // The FSDP phase a label names, without its module: "FSDP::all_gather (layers.3)" -> "FSDP::all_gather".
 std::string phase_of(const std::string& label) { return label.substr(0, label.find(' ')); }
 
-// The CUDA stream FSDP2 makes a phase's buffers on, as the caching
-// allocator's pools are per stream: copy-in on the all-gather copy-in stream
-// (FSDP2's foreach_all_gather allocates the all-gather input and output there),
-// the reduce-scatter's output on the reduce-scatter stream, the HSDP
-// all-reduce's on the all-reduce stream; everything else on the compute
-// (current) stream.
+// The CUDA stream FSDP2 runs a phase's work on: copy-in on the all-gather
+// copy-in stream (FSDP2's foreach_all_gather allocates the all-gather input
+// and output there), the reduce-scatter's output on the reduce-scatter
+// stream, the HSDP all-reduce's on the all-reduce stream; everything else on
+// the compute (current) stream. Without meta streams (a CPU job's dry run)
+// it places every allocation and op; with them it names each meta stream
+// from its first work (Recorder::stream_now).
 int stream_of(const std::string& phase) {
   if (phase == "FSDP::all_gather_copy_in") return 1;
   if (phase == "FSDP::all_gather") return 2;
