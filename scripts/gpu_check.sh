@@ -117,21 +117,30 @@ run_bench() {  # name binary args...
   if [[ ! -x "$bin" ]]; then record SKIP "$name" 0 "not in this tree ($bin)"; return; fi
   step "$name" "$LOGS/$name.log" "$bin" "$@" && sed -n '1,60p' "$LOGS/$name.log" >>"$LOGS/benchmarks.txt"
 }
+# Whether a program exists and lists a flag in --helpfull. The help text is
+# read whole first: Abseil's --helpfull exits 1, and under pipefail a pipe
+# into `grep -q` would read as "no such flag" either way.
+has_flag() {  # binary flag
+  [[ -x "$1" ]] || return 1
+  local help
+  help=$("$1" --helpfull 2>&1)
+  grep -q -- "$2" <<<"$help"
+}
 if ((built)); then
   : >"$LOGS/benchmarks.txt"
   # GPU rows of fsdp_bench (issue 12: bf16 ~1B model, copy-in/out bandwidth),
   # when the benchmark has learned --device.
-  if [[ -x "$bench_dir/fsdp_bench" ]] && "$bench_dir/fsdp_bench" --helpfull 2>&1 | grep -q -- '--device'; then
+  if has_flag "$bench_dir/fsdp_bench" --device; then
     run_bench fsdp_bench_cuda "$bench_dir/fsdp_bench" --device cuda --nproc 1
   else
     record SKIP fsdp_bench_cuda 0 "fsdp_bench has no --device flag in this tree"
   fi
   # The planner's simulated step against fsdp_train's on this GPU (issue 32),
   # under the shipped profile of this GPU.
-  if [[ -x "$bench_dir/fsdp_plan_time_bench" ]] && "$bench_dir/fsdp_plan_time_bench" --helpfull 2>&1 | grep -q -- '--profile'; then
+  if has_flag "$bench_dir/fsdp_plan_time_bench" --profile; then
     profile=h100
     [[ "$device" == *H200* ]] && profile=h200
-    run_bench fsdp_plan_time_bench_cuda "$bench_dir/fsdp_plan_time_bench" --device cuda --profile "$profile" --max-nproc 1
+    run_bench fsdp_plan_time_bench_cuda "$bench_dir/fsdp_plan_time_bench" --device cuda --profile "$profile" --max_nproc 1
   else
     record SKIP fsdp_plan_time_bench_cuda 0 "fsdp_plan_time_bench has no --device cuda in this tree"
   fi

@@ -37,7 +37,7 @@ namespace {
 // failed (printed).
 double simulated_step_s(const fsdp_train::TrainConfig& shape, int nproc, const std::string& profile) {
   std::vector<std::string> args = bench::model_flags(shape);
-  args.insert(args.end(), {"--world-size", std::to_string(nproc), "--json", "-"});
+  args.insert(args.end(), {"--world-size", std::to_string(nproc), "--json=-"});
   if (profile.empty()) {
     args.insert(args.end(), {"--device", "cpu", "--engine", "gloo", "--threads", "1"});
   } else {
@@ -63,7 +63,7 @@ int main(int argc, char** argv) {
   const int max_nproc = quick ? 2 : absl::GetFlag(FLAGS_max_nproc);
   const int steps = quick ? 4 : absl::GetFlag(FLAGS_steps);
   if (max_nproc < 1 || steps < 3) {
-    std::fprintf(stderr, "fsdp_plan_time_bench: need --max-nproc >= 1 and --steps >= 3\n");
+    std::fprintf(stderr, "fsdp_plan_time_bench: need --max_nproc >= 1 and --steps >= 3\n");
     return 2;
   }
   const std::string device = absl::GetFlag(FLAGS_device);
