@@ -4,9 +4,11 @@
 #include <climits>
 #include <cstring>
 #include <mutex>
+#include <set>
 #include <sstream>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/arange.h>
@@ -33,6 +35,7 @@ std::string to_string(Holder holder) {
     case Holder::kReduceScatter: return "reduce-scatter buffers";
     case Holder::kUnreducedGradients: return "unreduced gradients";
     case Holder::kActivations: return "activations";
+    case Holder::kWorkspaces: return "kernel workspaces";
     case Holder::kTemporaries: return "temporaries";
   }
   return "?";
@@ -116,6 +119,10 @@ struct DryRun::Recorder {
   std::unordered_map<c10::StreamId, std::vector<int64_t>> pending_stream_waits;
   std::vector<int64_t> pending_host_waits;
   std::unordered_map<c10::StreamId, int> stream_roles;  // meta stream -> its FSDP stream (stream_of)
+  // cuBLAS's workspaces made so far, by handle (true: autograd's device
+  // thread, which runs backward) and stream; 0 bytes when none are modelled.
+  int64_t blas_workspace_bytes = 0;
+  std::set<std::pair<bool, int>> blas_workspaces;
   const std::string& current_phase() const {
     static const std::string none;
     return phase_stack.empty() ? none : phase_stack.back();
@@ -129,6 +136,12 @@ struct DryRun::Recorder {
   // known from the phase of its first work (the default stream is the
   // compute stream); without, the one FSDP2 uses for `phase_label`'s phase.
   int stream_now(const std::string& phase_label);
+  // Records an allocation of `bytes` on FSDP stream `stream` (stream_of's
+  // numbering) made now; returns its index.
+  int64_t record_allocation(int64_t bytes, int stream);
+  // The workspace cuBLAS makes for a matmul about to run on `stream`, when
+  // its handle has none there yet.
+  void make_blas_workspace(int stream);
   // Fills the fields every op record shares and appends it.
   void add_op(OpRecord op);
   void mark_live_optimizer_state();
@@ -185,27 +198,8 @@ class RecordingMetaAllocator final : public c10::Allocator {
     std::lock_guard<std::mutex> lock(g_mutex);
     DryRun::Recorder* r = g_recorder;
     if (r == nullptr || nbytes == 0) return {nullptr, nullptr, &noop, c10::Device(c10::kMeta)};
-    DryRun::Recorder::Allocation a;
-    a.bytes = static_cast<int64_t>(nbytes);
-    a.allocated_at = ++r->seq;
-    a.step = r->step;
-    a.step_phase = r->step_phase;
-    a.fsdp_phase = r->current_phase();
-    a.stream = r->stream_now(a.fsdp_phase);
-    a.block = r->cuda.allocate(a.bytes, a.stream);
-    if (const char* op = current_op()) a.op = op;
-    r->live += a.bytes;
-    if (r->live > r->peak) {
-      r->peak = r->live;
-      r->peak_seq = a.allocated_at;
-    }
-    if (r->step > 0) {
-      auto& step_peak = r->step_peaks[static_cast<size_t>(r->step - 1)];
-      step_peak = std::max(step_peak, r->live);
-    }
-    r->allocations.push_back(std::move(a));
-    auto* cell = new Cell{r->generation, static_cast<int64_t>(r->allocations.size() - 1)};
-    return {nullptr, cell, &on_free, c10::Device(c10::kMeta)};
+    const int64_t index = r->record_allocation(static_cast<int64_t>(nbytes), r->stream_now(r->current_phase()));
+    return {nullptr, new Cell{r->generation, index}, &on_free, c10::Device(c10::kMeta)};
   }
   c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
   void copy_data(void*, const void*, std::size_t) const override {}
@@ -383,6 +377,7 @@ std::unique_ptr<OpRecord> start_kernel(const at::RecordFunction& fn, size_t* all
       if (const int64_t a = r->allocation_of(t); a >= 0) (written ? op->writes : op->reads).push_back(a);
     });
   }
+  if (op->matmul) r->make_blas_workspace(r->stream_now(r->current_phase()));
   *allocations_before = r->allocations.size();
   return op;
 }
@@ -482,6 +477,36 @@ int DryRun::Recorder::stream_now(const std::string& phase_label) {
   return by_phase;
 }
 
+int64_t DryRun::Recorder::record_allocation(int64_t bytes, int stream) {
+  Allocation a;
+  a.bytes = bytes;
+  a.allocated_at = ++seq;
+  a.step = step;
+  a.step_phase = step_phase;
+  a.fsdp_phase = current_phase();
+  a.stream = stream;
+  a.block = cuda.allocate(a.bytes, a.stream);
+  if (const char* op = current_op()) a.op = op;
+  live += a.bytes;
+  if (live > peak) {
+    peak = live;
+    peak_seq = a.allocated_at;
+  }
+  if (step > 0) {
+    auto& step_peak = step_peaks[static_cast<size_t>(step - 1)];
+    step_peak = std::max(step_peak, live);
+  }
+  allocations.push_back(std::move(a));
+  return static_cast<int64_t>(allocations.size() - 1);
+}
+
+void DryRun::Recorder::make_blas_workspace(int stream) {
+  if (blas_workspace_bytes == 0) return;
+  if (!blas_workspaces.emplace(step_phase == StepPhase::kBackward, stream).second) return;
+  // Held by PyTorch's handle-and-stream map, not by a tensor: never freed.
+  allocations[static_cast<size_t>(record_allocation(blas_workspace_bytes, stream))].mark = Holder::kWorkspaces;
+}
+
 void DryRun::Recorder::add_op(OpRecord op) {
   op.step = step;
   op.step_phase = step_phase;
@@ -551,6 +576,8 @@ std::vector<int64_t> checked_mesh_shape(const DryRunOptions& o) {
   }
   TORCH_CHECK(ranks == o.world_size, "fsdp_plan: DryRunOptions::mesh_shape [", c10::Join(", ", shape), "] holds ",
               ranks, " ranks, but world_size is ", o.world_size, "; their product must equal the world size");
+  TORCH_CHECK(o.blas_workspace_bytes >= 0, "fsdp_plan: DryRunOptions::blas_workspace_bytes is ", o.blas_workspace_bytes,
+              "; give 0 to leave cuBLAS's workspaces out, or their size in bytes");
   TORCH_CHECK(o.engine == fsdp::collectives::BackendKind::kNccl || o.engine == fsdp::collectives::BackendKind::kGloo,
               "fsdp_plan: DryRunOptions::engine must be kNccl or kGloo (got ", fsdp::collectives::to_string(o.engine),
               ")");
@@ -642,6 +669,7 @@ DryRun::DryRun(DryRunOptions options) : options_(std::move(options)) {
   set_attention_layout(o.engine == fsdp::collectives::BackendKind::kGloo ? AttentionLayout::kCpu
                                                                          : AttentionLayout::kCuda);
   if (o.engine == fsdp::collectives::BackendKind::kNccl) {
+    r->blas_workspace_bytes = o.blas_workspace_bytes;
     r->stream_listener = std::make_unique<RecorderStreamListener>(r);
     r->streams = std::make_unique<detail::MetaStreams>(r->stream_listener.get());
   }

@@ -50,9 +50,14 @@ TORCH_LIBRARY_IMPL(_, DeferredInit, m) { m.fallback(torch::CppFunction::makeFrom
 // back to [batch, seq, dim] copies it; CUDA's flash kernel writes
 // [batch, seq, heads, head_dim] and returns it transposed, so that reshape is
 // a view. The log-sum-exp is [batch, heads, seq] in float32 (float for bf16
-// and fp16 inputs). Backward makes one gradient like each input. Not
-// modelled: the CPU kernel's per-thread scratch (tens of KiB, freed within
-// the op) and CUDA's float32 dq accumulator in backward.
+// and fp16 inputs). Backward makes one gradient like each input, and on
+// CUDA the scratch of FlashAttention-2's backward (flash_api.cpp, mha_bwd),
+// freed when it returns: softmax_d [batch, heads, q_len rounded up to 128]
+// and the dq accumulator [batch, that q_len, heads, head_dim rounded up to
+// 32 (64 past 128)], both float32, and with fewer key/value heads than query
+// heads dk and dv expanded to every query head. Not modelled: the CPU
+// kernel's per-thread scratch (tens of KiB, freed within the op), and the
+// CUDA forward's two 8-byte random-number-state tensors it saves per call.
 std::atomic<bool> g_cuda_attention_layout{true};
 
 std::tuple<at::Tensor, at::Tensor> flash_forward_meta(const at::Tensor& query, const at::Tensor& key,
@@ -75,7 +80,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward_meta(const at::Ten
                                                                    double dropout_p, bool is_causal,
                                                                    const std::optional<at::Tensor>& attn_mask,
                                                                    std::optional<double> scale) {
-  return {at::empty_like(query), at::empty_like(key), at::empty_like(value)};
+  at::Tensor grads[3] = {at::empty_like(query), at::empty_like(key), at::empty_like(value)};
+  if (g_cuda_attention_layout.load()) {
+    const auto round_up = [](int64_t x, int64_t m) { return (x + m - 1) / m * m; };
+    const int64_t batch = query.size(0), heads = query.size(1), q_len = round_up(query.size(2), 128),
+                  head_dim = query.size(3);
+    const at::TensorOptions fp32 = query.options().dtype(at::kFloat);
+    const at::Tensor softmax_d = at::empty({batch, heads, q_len}, fp32);
+    const at::Tensor dq_accum = at::empty({batch, q_len, heads, round_up(head_dim, head_dim <= 128 ? 32 : 64)}, fp32);
+    if (key.size(1) != heads) {
+      const at::Tensor dk_expanded = at::empty({batch, key.size(2), heads, head_dim}, query.options());
+      const at::Tensor dv_expanded = at::empty({batch, value.size(2), heads, value.size(3)}, query.options());
+    }
+  }
+  return {grads[0], grads[1], grads[2]};
 }
 
 TORCH_LIBRARY_IMPL(aten, Meta, m) {

@@ -29,7 +29,7 @@ std::vector<std::string> small(std::vector<std::string> more) {
 
 TEST(PlanTool, PrintsTheReportAndItsJson) {
   const fsdp::ChildResult run =
-      run_plan(small({"--world-size", "4", "--global-batch", "8", "--memory-per-gpu", "64MiB", "--json", "-"}));
+      run_plan(small({"--world-size", "4", "--global-batch", "8", "--memory-per-gpu", "128MiB", "--json=-"}));
   ASSERT_EQ(run.exit_code, 0) << run.output;
   EXPECT_THAT(run.output, HasSubstr("rank 0 of 4"));
   EXPECT_THAT(run.output, HasSubstr("peak allocated"));
@@ -47,7 +47,7 @@ TEST(PlanTool, PrintsTheReportAndItsJson) {
 TEST(PlanTool, PrintsTheSimulatedTimeItsTraceAndTheSettingsCompared) {
   const std::string trace_path = ::testing::TempDir() + "/fsdp_plan_trace.json";
   const fsdp::ChildResult run = run_plan(small({"--world-size", "8", "--global-batch", "16", "--device", "h200",
-                                                "--trace", trace_path, "--compare", "--json", "-"}));
+                                                "--trace", trace_path, "--compare", "--json=-"}));
   ASSERT_EQ(run.exit_code, 0) << run.output;
   EXPECT_THAT(run.output, HasSubstr("time of step 2 on h200"));
   EXPECT_THAT(run.output, HasSubstr("settings compared"));

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include <ATen/ops/randn.h>
+#include <ATen/ops/scaled_dot_product_attention.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/nn/modules/linear.h>
@@ -104,12 +105,16 @@ void train_two_steps(DryRun& dry, TwoBlocks& model, torch::optim::Optimizer& opt
 
 // `ops` and `allocations`, when given, receive the run's kernels and
 // collectives and its allocations; `engine` is the communicators' semantics.
+// The hand count below leaves out cuBLAS's workspaces (`blas_workspace_bytes`
+// 0); PlanDryRun.ACudaJobHoldsOneCublasWorkspacePerHandleAndStream counts them.
 MemoryReport two_blocks_at_world_size_2(std::vector<OpRecord>* ops = nullptr,
                                         fsdp::collectives::BackendKind engine = fsdp::collectives::BackendKind::kNccl,
-                                        std::vector<AllocationRecord>* allocations = nullptr) {
+                                        std::vector<AllocationRecord>* allocations = nullptr,
+                                        int64_t blas_workspace_bytes = 0) {
   DryRunOptions options;
   options.world_size = 2;
   options.engine = engine;
+  options.blas_workspace_bytes = blas_workspace_bytes;
   DryRun dry(options);
   auto model = std::make_shared<TwoBlocks>();
   shard_two_blocks(model, dry.mesh());
@@ -251,6 +256,68 @@ TEST(PlanDryRun, ACudaJobsDryRunTakesTheRuntimesStreamPathsAndRecordsItsEvents) 
   }
 }
 
+// cuBLAS gives each handle a workspace per stream, and PyTorch keeps it:
+// the host thread's handle makes one at step 1's first forward matmul,
+// autograd's device thread's at its first backward matmul, both on the
+// compute stream, so the hand-counted peak above gains exactly two. A CPU
+// job (Gloo) has none.
+TEST(PlanDryRun, ACudaJobHoldsOneCublasWorkspacePerHandleAndStream) {
+  constexpr int64_t kWorkspace = int64_t{32} << 20;
+  std::vector<AllocationRecord> allocations;
+  const MemoryReport r =
+      two_blocks_at_world_size_2(nullptr, fsdp::collectives::BackendKind::kNccl, &allocations, kWorkspace);
+  EXPECT_EQ(r.peak_bytes, 110600 + 2 * kWorkspace);
+  EXPECT_EQ(r.peak_by_holder[static_cast<size_t>(Holder::kWorkspaces)], 2 * kWorkspace);
+  EXPECT_EQ(r.peak_fsdp_phase, "FSDP::all_gather_copy_out (b0)");
+  EXPECT_EQ(r.end_bytes, 16384 + 32768 + 2 * 8192 + 2 * kWorkspace);
+  std::vector<const AllocationRecord*> workspaces;
+  for (const AllocationRecord& a : allocations) {
+    if (a.bytes == kWorkspace) workspaces.push_back(&a);
+  }
+  ASSERT_EQ(workspaces.size(), 2u);
+  for (const AllocationRecord* a : workspaces) {
+    EXPECT_EQ(a->step, 1);
+    EXPECT_EQ(a->stream, 0);
+    EXPECT_EQ(a->freed_at, INT64_MAX);
+  }
+  EXPECT_EQ(workspaces[0]->step_phase, StepPhase::kForward);
+  EXPECT_EQ(workspaces[1]->step_phase, StepPhase::kBackward);
+
+  const MemoryReport gloo =
+      two_blocks_at_world_size_2(nullptr, fsdp::collectives::BackendKind::kGloo, nullptr, kWorkspace);
+  EXPECT_EQ(gloo.peak_by_holder[static_cast<size_t>(Holder::kWorkspaces)], 0);
+}
+
+// Causal attention's backward in a CUDA job's dry run makes
+// FlashAttention-2's float32 scratch and frees it before returning: for
+// query [2, 4, 200, 64], softmax_d [2, 4, 256] (8,192 bytes) and the dq
+// accumulator [2, 256, 4, 64] (524,288). A CPU job's kernel has neither.
+TEST(PlanDryRun, ACudaJobsAttentionBackwardMakesFlashAttentionsScratch) {
+  for (const auto engine : {fsdp::collectives::BackendKind::kNccl, fsdp::collectives::BackendKind::kGloo}) {
+    const bool cuda = engine == fsdp::collectives::BackendKind::kNccl;
+    SCOPED_TRACE(cuda ? "NCCL" : "Gloo");
+    DryRunOptions options;
+    options.engine = engine;
+    DryRun dry(options);
+    dry.begin(StepPhase::kForward);
+    const at::Tensor q = at::randn({2, 4, 200, 64}).requires_grad_(), k = at::randn({2, 4, 200, 64}).requires_grad_(),
+                     v = at::randn({2, 4, 200, 64}).requires_grad_();
+    at::Tensor loss = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true).sum();
+    dry.begin(StepPhase::kBackward);
+    loss.backward();
+    std::multiset<int64_t> float_scratch;
+    for (const AllocationRecord& a : dry.allocations()) {
+      if (a.step_phase != StepPhase::kBackward) continue;
+      if (a.bytes == 8192 || a.bytes == 524288) {
+        float_scratch.insert(a.bytes);
+        EXPECT_NE(a.freed_at, INT64_MAX) << a.bytes << " bytes never freed";
+      }
+    }
+    const std::multiset<int64_t> expected = cuda ? std::multiset<int64_t>{8192, 524288} : std::multiset<int64_t>{};
+    EXPECT_EQ(float_scratch, expected);
+  }
+}
+
 // The groups the runtime makes for itself are dry communicators too: with
 // reshard_after_forward 2 at world size 8, each block keeps after forward
 // the rows of 4 of the 8 shards (half its weight, 8,192 bytes) and
@@ -378,6 +445,9 @@ TEST(PlanDryRun, RejectsInconsistentOptionsNamingThem) {
   options.rank = 8;
   EXPECT_THAT([&] { DryRun dry(options); }, ::testing::ThrowsMessage<c10::Error>(HasSubstr("rank 8")));
   options.rank = 0;
+  options.blas_workspace_bytes = -1;
+  EXPECT_THAT([&] { DryRun dry(options); }, ::testing::ThrowsMessage<c10::Error>(HasSubstr("blas_workspace_bytes")));
+  options.blas_workspace_bytes = 0;
   DryRun first(options);
   EXPECT_THAT([&] { DryRun second(options); }, ::testing::ThrowsMessage<c10::Error>(HasSubstr("another DryRun")));
 }
@@ -386,7 +456,7 @@ TEST(PlanTool, LargestLocalBatchFitsAndTheNextDoesNot) {
   DryRunOptions options;
   options.world_size = 4;
   const fsdp_train::TrainConfig c = small_trainer();
-  const int64_t budget = 8 << 20;
+  const int64_t budget = (8 << 20) + 2 * options.blas_workspace_bytes;  // cuBLAS's workspaces on top
   const int64_t batch = fsdp_plan_tool::largest_local_batch(c, options, budget);
   ASSERT_GT(batch, 0);
   EXPECT_LE(fsdp_plan_tool::plan_trainer(c, options, batch, 2).memory.peak_reserved, budget);

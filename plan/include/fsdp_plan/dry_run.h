@@ -43,12 +43,14 @@
 // forward all-gather output lives until the next group's all-gather is
 // issued, and every event and stream wait between FSDP's streams is
 // recorded (OpRecord::after). In
-// a CPU job's (kGloo) it has none, as the CPU has none. What remains apart
-// from a CUDA run: a buffer another stream used (record_stream) is taken as
-// reusable when the host frees it, and kernels are modelled by their meta
-// functions, which allocate the outputs but none of a kernel's own
-// workspace (cuBLAS workspaces, flash attention's float32 gradient
-// accumulator). Both are listed in docs/planning.md.
+// a CPU job's (kGloo) it has none, as the CPU has none. Kernels are
+// modelled by their meta functions, which allocate their outputs; of their
+// own scratch, a CUDA job's dry run adds cuBLAS's workspaces (one per
+// cuBLAS handle and stream, made at the first matmul and never freed:
+// DryRunOptions::blas_workspace_bytes) and flash attention's backward
+// scratch (meta_mode.h). What remains apart from a CUDA run: a buffer
+// another stream used (record_stream) is taken as reusable when the host
+// frees it, and other kernels' scratch; docs/planning.md lists both.
 //
 // Errors: the constructor throws c10::Error naming the option when the world
 // size, rank or mesh shape is inconsistent, and when another DryRun is alive.
@@ -85,9 +87,10 @@ enum class Holder {
   kReduceScatter,        // reduce-scatter (and HSDP all-reduce) inputs and outputs
   kUnreducedGradients,   // the full gradients autograd accumulated, before their reduce-scatter
   kActivations,          // forward tensors still alive when backward starts (saved for it)
+  kWorkspaces,           // cuBLAS's workspaces (a CUDA job's), kept for the process's life
   kTemporaries,          // everything else: forward and backward intermediates, the loss
 };
-inline constexpr int kHolderCount = 9;
+inline constexpr int kHolderCount = 10;
 std::string to_string(Holder holder);
 
 // The phases of a training step, as the program marks them with begin().
@@ -196,6 +199,17 @@ struct DryRunOptions {
   // output-sized one per all-gather, for an instant: dry_backend.cc), and
   // attention is laid out as the CPU kernel lays it out (meta_mode.h).
   fsdp::collectives::BackendKind engine = fsdp::collectives::BackendKind::kNccl;
+  // The bytes of one cuBLAS workspace in a CUDA job (engine kNccl). PyTorch
+  // gives each cuBLAS handle one per stream it runs on, through the caching
+  // allocator, and keeps it until the process ends
+  // (aten/src/ATen/cuda/CublasHandlePool.cpp). A handle belongs to a thread:
+  // the host thread's runs forward, autograd's device thread's runs backward
+  // (activation checkpointing's recomputation included), so a step of
+  // matmuls on the compute stream makes two. The default, 32 MiB, is
+  // PyTorch's on Hopper (sm_90: the shipped device profiles) when
+  // CUBLAS_WORKSPACE_CONFIG is unset; other GPUs get 8 MiB + 128 KiB. 0
+  // leaves them out. A CPU job (kGloo) has none.
+  int64_t blas_workspace_bytes = int64_t{32} << 20;
 };
 
 class DryRun {

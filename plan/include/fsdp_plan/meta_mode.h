@@ -25,7 +25,8 @@
 //   materialises the attention matrix (and has no meta kernels).
 //   Its tensors are laid out as the CUDA kernel lays them out, or as the
 //   CPU kernel does (set_attention_layout), which decides whether a later
-//   reshape of the output copies.
+//   reshape of the output copies; with the CUDA layout, backward also makes
+//   (and frees) FlashAttention-2's float32 scratch.
 // Anything that needs values fails as on any meta tensor (Tensor::item(),
 // printing, data_ptr()). The mode is a dispatch-key fallback on
 // c10::DispatchKey::DeferredInit (PyTorch reserves that key for deferred
