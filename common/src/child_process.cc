@@ -94,6 +94,7 @@ ChildResult run_child(const std::vector<std::string>& argv, const ChildOptions& 
     stderr_text = "run_child: cannot start " + argv[0] + ": " + std::strerror(rc);
     return result;
   }
+  if (options.on_start) options.on_start(pid);
   // Both pipes are read as they fill; `signal_when` sees the output after
   // every read of it.
   std::vector<std::pair<int, std::string*>> reads = {{out.fds[0], &result.output}};

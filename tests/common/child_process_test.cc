@@ -2,6 +2,7 @@
 // with /bin/sh as the child.
 #include "fsdp_common/child_process.h"
 
+#include <signal.h>
 #include <stdlib.h>
 
 #include <algorithm>
@@ -76,6 +77,21 @@ TEST(ChildProcess, SignalWhenTheOutputShowsAState) {
   EXPECT_GE(asked, 1);
 }
 
+// on_start hands over the child's pid before its output is read: here a
+// signal that ends a child which would otherwise sleep for a minute.
+TEST(ChildProcess, OnStartGetsTheChildsPid) {
+  fsdp::ChildOptions options;
+  pid_t started = -1;
+  options.on_start = [&started](pid_t child) {
+    started = child;
+    ::kill(child, SIGTERM);
+  };
+  const fsdp::ChildResult r = sh("exec sleep 60", options);
+  EXPECT_GT(started, 0);
+  EXPECT_EQ(r.term_signal, SIGTERM);
+  EXPECT_LT(r.seconds, 30);
+}
+
 TEST(ChildProcess, ProgramLookedUpInPath) {
   const fsdp::ChildResult r = fsdp::run_child({"sh", "-c", "echo found"});
   EXPECT_EQ(r.exit_code, 0);
@@ -104,7 +120,7 @@ TEST(ChildEnvironment, DropsTheJobVariablesAndAddsTheExtraOnes) {
   ASSERT_EQ(::setenv("FSDP2CPP_NPROC", "2", 1), 0);
   ASSERT_EQ(::setenv("FSDP2CPP_CHILD_TEST", "parent", 1), 0);
   const std::vector<std::string> env = fsdp::child_environment({"FSDP2CPP_CHILD_TEST=child", "EXTRA=1"});
-  for (const std::string& name : {"RANK=", "MASTER_PORT=", "FSDP2CPP_NPROC=", "FSDP2CPP_CHILD_TEST=parent"}) {
+  for (const char* name : {"RANK=", "MASTER_PORT=", "FSDP2CPP_NPROC=", "FSDP2CPP_CHILD_TEST=parent"}) {
     EXPECT_TRUE(std::none_of(env.begin(), env.end(), [&](const std::string& e) { return e.rfind(name, 0) == 0; }))
         << name;
   }

@@ -4,7 +4,6 @@
 // tiny model); this keeps them from rotting.
 #include <gtest/gtest.h>
 
-#include <dirent.h>
 #include <stdlib.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -13,6 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <regex>
@@ -24,34 +24,6 @@
 
 namespace fsdp_train_test {
 namespace {
-
-// A fresh directory under $TMPDIR (or /tmp), removed with what is in it.
-class ScratchDirForTest {
- public:
-  ScratchDirForTest() {
-    const char* tmp = std::getenv("TMPDIR");
-    std::string pattern = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/bench_smoke.XXXXXX";
-    if (::mkdtemp(pattern.data()) != nullptr) path_ = pattern;
-  }
-  ~ScratchDirForTest() {
-    for (const std::string& f : files()) ::unlink(f.c_str());
-    if (!path_.empty()) ::rmdir(path_.c_str());
-  }
-  const std::string& path() const { return path_; }
-  std::vector<std::string> files() const {
-    std::vector<std::string> out;
-    if (DIR* d = ::opendir(path_.c_str())) {
-      while (const dirent* e = ::readdir(d)) {
-        if (e->d_name[0] != '.') out.push_back(path_ + "/" + e->d_name);
-      }
-      ::closedir(d);
-    }
-    return out;
-  }
-
- private:
-  std::string path_;
-};
 
 // The lines of `output` that start with `prefix`.
 std::vector<std::string> lines_starting_with(const std::string& output, const std::string& prefix) {
@@ -142,7 +114,7 @@ TEST(BenchSmoke, MallocCounterProbe) {
 }
 
 TEST(BenchSmoke, MallocCounterCountsLiveBytes) {
-  ScratchDirForTest dir;
+  fsdp::testing::ScratchDir dir("bench_smoke");
   ::setenv("LD_PRELOAD", FSDP_MALLOC_COUNTER, 1);
   ::setenv("FSDP_MALLOC_COUNTER_DIR", dir.path().c_str(), 1);
   ::setenv("FSDP_MALLOC_COUNTER_PROBE", "1", 1);
@@ -154,7 +126,8 @@ TEST(BenchSmoke, MallocCounterCountsLiveBytes) {
   ::unsetenv("FSDP_MALLOC_COUNTER_PROBE");
   ASSERT_EQ(run.exit_code, 0) << run.output;
   ASSERT_EQ(run.output.find("SKIPPED"), std::string::npos) << run.output;
-  const std::vector<std::string> reports = dir.files();
+  std::vector<std::string> reports;
+  for (const auto& entry : std::filesystem::directory_iterator(dir.path())) reports.push_back(entry.path().string());
   ASSERT_EQ(reports.size(), 1u) << "one report from the probe process";
   std::ifstream in(reports[0]);
   const std::string report((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());

@@ -5,7 +5,6 @@
 // --max-restarts restarts the group from its newest checkpoint, the
 // Hugging Face export carries the same weights as the sharded checkpoint,
 // and PyTorch reads, continues and recomputes what the trainer saved.
-#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <unistd.h>
@@ -43,25 +42,6 @@ void remove_tree(const std::string& path) {
   std::error_code ignored;
   std::filesystem::remove_all(path, ignored);
 }
-
-// A directory tree removed with everything in it.
-class ScratchTree {
- public:
-  ScratchTree() {
-    const char* tmp = std::getenv("TMPDIR");
-    std::string pattern = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/fsdp_ckpt_test.XXXXXX";
-    if (::mkdtemp(pattern.data()) != nullptr) path_ = pattern;
-  }
-  ~ScratchTree() {
-    if (!path_.empty()) remove_tree(path_);
-  }
-  ScratchTree(const ScratchTree&) = delete;
-  ScratchTree& operator=(const ScratchTree&) = delete;
-  std::string operator/(const std::string& name) const { return path_ + "/" + name; }
-
- private:
-  std::string path_;
-};
 
 // small_run_flags (run_binary.h) at `nproc` ranks.
 std::vector<std::string> run_flags(const std::string& json, int nproc) {
@@ -102,7 +82,7 @@ void expect_tail_matches(const TrainRecord& full, const TrainRecord& resumed, do
 }
 
 TEST(FsdpTrainCheckpoint, ResumeAtTheSameWorldSizeIsBitExact) {
-  ScratchTree dir;
+  ScratchDir dir("fsdp_ckpt_test");
   const TrainRecord full = train(run_flags(dir / "full.json", 2), "uninterrupted run");
   const std::string saves = dir / "saves";
   train(with(run_flags(dir / "first.json", 2),
@@ -152,33 +132,38 @@ std::vector<pid_t> children_of(pid_t parent) {
 // equals the uninterrupted run's, bit for bit.
 TEST(FsdpTrainCheckpoint, KilledRankRestartsTheGroupFromTheNewestCheckpoint) {
   constexpr int kLongRun = 200;  // the kill lands long before the end
-  ScratchTree dir;
+  ScratchDir dir("fsdp_ckpt_test");
   std::vector<std::string> flags = small_run_flags(dir / "full.json", kLongRun);
   flags.insert(flags.end(), {"--nproc", "2"});
   const TrainRecord full = train(flags, "uninterrupted run");
   ASSERT_EQ(full.losses.size(), static_cast<size_t>(kLongRun));
 
-  const std::string saves = dir / "saves", log = dir / "output.txt";
-  std::vector<std::string> restartable = small_run_flags(dir / "restarted.json", kLongRun);
+  const std::string saves = dir / "saves";
+  std::vector<std::string> restartable = {FSDP_TRAIN_BINARY};
+  for (const std::string& flag : small_run_flags(dir / "restarted.json", kLongRun)) restartable.push_back(flag);
   restartable.insert(restartable.end(), {"--nproc", "2", "--max-restarts", "1", "--save-dir", saves, "--save-every",
                                          "5", "--resume", "--keep", "0"});
-  const int out = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  ASSERT_GE(out, 0);
-  const pid_t launcher = start_program(FSDP_TRAIN_BINARY, restartable, out);
-  ::close(out);
-  ASSERT_GT(launcher, 0);
-  // step-5 appears when its save is committed (renamed from .tmp-step-5).
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(5);
-  while (!exists(saves + "/step-5") && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  const std::vector<pid_t> ranks = children_of(launcher);
+  // A thread of the test watches for step 5's checkpoint while run_child
+  // reads the launcher's output; step-5 appears when its save is committed
+  // (renamed from .tmp-step-5).
+  std::thread killer;
+  std::vector<pid_t> ranks;
+  fsdp::ChildOptions options;
+  options.on_start = [&](pid_t launcher) {
+    killer = std::thread([&ranks, &saves, launcher] {
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(5);
+      while (!exists(saves + "/step-5") && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+      ranks = children_of(launcher);
+      if (!ranks.empty()) ::kill(ranks.back(), SIGKILL);
+    });
+  };
+  const RunResult run = fsdp::run_child(restartable, options);
+  if (killer.joinable()) killer.join();
   EXPECT_EQ(ranks.size(), 2u) << "the launcher's rank processes";
-  if (!ranks.empty()) ::kill(ranks.back(), SIGKILL);
-  const int exit_code = wait_for_exit(launcher);
-  std::ifstream in(log);
-  const std::string output((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  ASSERT_EQ(exit_code, 0) << output;
+  const std::string& output = run.output;
+  ASSERT_EQ(run.exit_code, 0) << output;
   EXPECT_NE(output.find("; restarting the group (restart 1 of 1)"), std::string::npos) << output;
 
   // The restarted attempt's record: from the step after a committed
@@ -201,7 +186,7 @@ TEST(FsdpTrainCheckpoint, KilledRankRestartsTheGroupFromTheNewestCheckpoint) {
 // saved that way (the last save waited for at its end) resumes bit-exactly,
 // at 3 ranks (uneven shards).
 TEST(FsdpTrainCheckpoint, AsyncSaveResumesBitExactly) {
-  ScratchTree dir;
+  ScratchDir dir("fsdp_ckpt_test");
   const TrainRecord full = train(run_flags(dir / "full.json", 3), "uninterrupted run");
   const std::string saves = dir / "saves";
   const RunResult first = run_program(FSDP_TRAIN_BINARY, with(run_flags(dir / "first.json", 3),
@@ -219,7 +204,7 @@ TEST(FsdpTrainCheckpoint, AsyncSaveResumesBitExactly) {
 }
 
 TEST(FsdpTrainCheckpoint, ResumeAtAnotherWorldSizeAndMesh) {
-  ScratchTree dir;
+  ScratchDir dir("fsdp_ckpt_test");
   const TrainRecord full = train(run_flags(dir / "full.json", 2), "uninterrupted run");
   const std::string saves = dir / "saves";
   train(with(run_flags(dir / "first.json", 2), {"--save-dir", saves, "--stop-after", std::to_string(kStopAfter)}),
@@ -239,7 +224,7 @@ TEST(FsdpTrainCheckpoint, ResumeAtAnotherWorldSizeAndMesh) {
 // Saved on a 2x2 HSDP mesh (only replica 0 writes), resumed on a 1-D mesh of
 // 3 ranks. Global batch 12: divisible by 4 and 3.
 TEST(FsdpTrainCheckpoint, HsdpSaveResumesOnAnotherMesh) {
-  ScratchTree dir;
+  ScratchDir dir("fsdp_ckpt_test");
   auto flags = [&](const std::string& json, int nproc) {
     std::vector<std::string> f = run_flags(json, nproc);
     f[3] = "12";  // --global-batch
@@ -259,7 +244,7 @@ TEST(FsdpTrainCheckpoint, HsdpSaveResumesOnAnotherMesh) {
 }
 
 TEST(FsdpTrainCheckpoint, KeepPrunesOldCheckpointsAndUnfinishedSavesAreIgnored) {
-  ScratchTree dir;
+  ScratchDir dir("fsdp_ckpt_test");
   const std::string saves = dir / "saves";
   train(with(run_flags(dir / "a.json", 1),
              {"--save-dir", saves, "--save-every", "4", "--keep", "2", "--stop-after", "12"}),
@@ -282,7 +267,7 @@ TEST(FsdpTrainCheckpoint, KeepPrunesOldCheckpointsAndUnfinishedSavesAreIgnored) 
 }
 
 TEST(FsdpTrainCheckpoint, CorruptCheckpointIsRefusedNamingTheFile) {
-  ScratchTree dir;
+  ScratchDir dir("fsdp_ckpt_test");
   const std::string saves = dir / "saves";
   train(with(run_flags(dir / "a.json", 2), {"--save-dir", saves, "--stop-after", "3"}), "saving run");
   const std::string victim = saves + "/step-3/model/shard-00001-model-00001-of-00001.safetensors";
@@ -303,7 +288,7 @@ TEST(FsdpTrainCheckpoint, CorruptCheckpointIsRefusedNamingTheFile) {
 // makes --resume and --init-from refuse the checkpoint on every rank, naming
 // the file and the checksum.
 TEST(FsdpTrainCheckpoint, FlippedBitInTheOptimizerStateFailsTheChecksum) {
-  ScratchTree dir;
+  ScratchDir dir("fsdp_ckpt_test");
   const std::string saves = dir / "saves";
   train(with(run_flags(dir / "a.json", 2), {"--save-dir", saves, "--stop-after", "3"}), "saving run");
   const std::string name = "optim/shard-00002-model-00001-of-00001.safetensors";
@@ -339,7 +324,7 @@ TEST(FsdpTrainCheckpoint, FlippedBitInTheOptimizerStateFailsTheChecksum) {
 // initialised from either have the same step-1 loss (computed before any
 // update), which differs from a fresh model's.
 TEST(FsdpTrainCheckpoint, ExportAndInitFromAgree) {
-  ScratchTree dir;
+  ScratchDir dir("fsdp_ckpt_test");
   const std::string saves = dir / "saves", hf = dir / "hf";
   train(with(run_flags(dir / "a.json", 2), {"--save-dir", saves, "--stop-after", "8", "--export-hf", hf}),
         "exporting run");
@@ -364,7 +349,7 @@ TEST(FsdpTrainCheckpoint, ExportAndInitFromAgree) {
 // PyTorch writes from 3 ranks with HuggingFaceStorageWriter(save_distributed)
 // and the trainer's FQNs starts a 2-rank run with the same weights.
 TEST(FsdpTrainCheckpoint, PyTorchReadsAndWritesTrainerCheckpoints) {
-  ScratchTree dir;
+  ScratchDir dir("fsdp_ckpt_test");
   const std::string saves = dir / "saves", hf = dir / "hf", written_by_pytorch = dir / "pytorch";
   train(with(run_flags(dir / "a.json", 2), {"--save-dir", saves, "--stop-after", "6", "--export-hf", hf}),
         "exporting run");
@@ -387,7 +372,7 @@ TEST(FsdpTrainCheckpoint, PyTorchReadsAndWritesTrainerCheckpoints) {
 // holds the full tensors: PyTorch's HuggingFaceStorageReader reads the same
 // shapes and values from the sharded checkpoint.
 TEST(FsdpTrainCheckpoint, ExportAtThreeRanksHoldsFullOneDimensionalTensors) {
-  ScratchTree dir;
+  ScratchDir dir("fsdp_ckpt_test");
   const std::string saves = dir / "saves", hf = dir / "hf";
   train(with(run_flags(dir / "a.json", 3), {"--save-dir", saves, "--stop-after", "4", "--export-hf", hf}),
         "exporting run at 3 ranks");
@@ -403,7 +388,7 @@ TEST(FsdpTrainCheckpoint, ExportAtThreeRanksHoldsFullOneDimensionalTensors) {
 // the manifest's param groups), takes step 6 to the trainer's step-6
 // parameters and state (trainer_interop.py adamw). 3 ranks: uneven shards.
 TEST(FsdpTrainCheckpoint, PyTorchsAdamWContinuesFromTheTrainersOptimizerState) {
-  ScratchTree dir;
+  ScratchDir dir("fsdp_ckpt_test");
   const std::string saves = dir / "saves";
   train(with(run_flags(dir / "a.json", 3), {"--save-dir", saves, "--save-every", "5", "--stop-after", "6"}),
         "saving run");
@@ -423,7 +408,7 @@ TEST(FsdpTrainCheckpoint, PyTorchsAdamWContinuesFromTheTrainersOptimizerState) {
 // grouped-query attention (4 query heads over 2 key/value heads) with a
 // vocabulary larger than the bytes; 2 ranks, one thread each.
 TEST(FsdpTrainCheckpoint, PyTorchReplicaComputesTheTrainersLossBitForBit) {
-  ScratchTree dir;
+  ScratchDir dir("fsdp_ckpt_test");
   for (const std::vector<std::string>& model :
        {std::vector<std::string>{}, std::vector<std::string>{"--kv-heads", "2", "--vocab", "320"}}) {
     const std::string name = model.empty() ? "mha" : "gqa", saves = dir / name, json = dir / (name + ".json");
@@ -453,7 +438,7 @@ TEST(FsdpTrainCheckpoint, PyTorchReplicaComputesTheTrainersLossBitForBit) {
 }
 
 TEST(FsdpTrainCheckpoint, FlagErrors) {
-  ScratchTree dir;
+  ScratchDir dir("fsdp_ckpt_test");
   const auto expect_error = [&](const std::vector<std::string>& more, const std::string& fragment) {
     const RunResult run = run_program(FSDP_TRAIN_BINARY, with(run_flags(dir / "e.json", 1), more));
     EXPECT_EQ(run.exit_code, 2) << run.output;

@@ -20,7 +20,7 @@ constexpr int kSteps = 20;
 // `extra`: more flags (the model's shape); `name` keeps their files apart.
 TrainRecord train(ScratchDir& dir, int world_size, bool use_launcher, const std::vector<std::string>& extra = {},
                   const std::string& name = "world", std::string* output = nullptr) {
-  const std::string json = dir.file(name + std::to_string(world_size) + ".json");
+  const std::string json = dir / (name + std::to_string(world_size) + ".json");
   std::vector<std::string> args = small_run_flags(json);
   args.insert(args.end(), extra.begin(), extra.end());
   if (use_launcher) {
@@ -87,7 +87,7 @@ TEST(FsdpTrainParity, GroupedQueryAttentionAndLargerVocabAgreeAcrossWorldSizes) 
 TEST(FsdpTrainParity, HsdpMeshMatchesOneRank) {
   ScratchDir dir;
   auto run = [&](int world_size, const std::string& mesh) {
-    const std::string json = dir.file("hsdp" + std::to_string(world_size) + ".json");
+    const std::string json = dir / ("hsdp" + std::to_string(world_size) + ".json");
     std::vector<std::string> args = small_run_flags(json);
     args[3] = "8";   // --global-batch
     args[1] = "10";  // --steps
@@ -141,7 +141,7 @@ TEST(FsdpTrainParity, Int8AllGatherComparison) {
 TEST(ActivationCheckpointTrainer, LossesEqualWithoutCheckpointing) {
   ScratchDir dir;
   auto run = [&](const std::string& name, const std::vector<std::string>& ac) {
-    const std::string json = dir.file(name + ".json");
+    const std::string json = dir / (name + ".json");
     std::vector<std::string> args = small_run_flags(json, 8);
     args.insert(args.end(), {"--nproc", "2", "--layers", "3"});
     args.insert(args.end(), ac.begin(), ac.end());

@@ -50,7 +50,7 @@ TEST(NoShard, BinaryFailsBeforeStartingWithSeveralRanks) {
 TEST(NoShard, TrainsTheSameModelAsTheShardedRuns) {
   ScratchDir dir;
   auto train = [&](const std::string& name, std::vector<std::string> extra) {
-    const std::string json = dir.file(name + ".json");
+    const std::string json = dir / (name + ".json");
     std::vector<std::string> args = run_flags(json);
     args.insert(args.end(), extra.begin(), extra.end());
     const RunResult run = run_program(FSDP_TRAIN_BINARY, args);

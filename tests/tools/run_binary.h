@@ -2,9 +2,6 @@
 // scratch directory, and a reader for fsdp_train's --json record.
 #pragma once
 
-#include <fcntl.h>
-#include <spawn.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -16,42 +13,12 @@
 #include <vector>
 
 #include "fsdp_common/child_process.h"
+#include "fsdp_testing/test_helpers.h"
 
 namespace fsdp_train_test {
 
 // exit_code and output (stdout and stderr, interleaved) are what is used.
 using RunResult = fsdp::ChildResult;
-
-// Starts `program` with `args` (no shell, fsdp::child_environment()), its
-// stdout and stderr on `output_fd`. Returns its pid, or -1.
-inline pid_t start_program(const std::string& program, const std::vector<std::string>& args, int output_fd) {
-  std::vector<std::string> env = fsdp::child_environment();
-  std::vector<std::string> argv_strings = {program};
-  argv_strings.insert(argv_strings.end(), args.begin(), args.end());
-  auto c_strings = [](std::vector<std::string>& strings) {
-    std::vector<char*> out;
-    for (auto& s : strings) out.push_back(s.data());
-    out.push_back(nullptr);
-    return out;
-  };
-  std::vector<char*> argv = c_strings(argv_strings), envp = c_strings(env);
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_adddup2(&actions, output_fd, STDOUT_FILENO);
-  posix_spawn_file_actions_adddup2(&actions, output_fd, STDERR_FILENO);
-  pid_t pid = -1;
-  const int rc = ::posix_spawn(&pid, program.c_str(), &actions, nullptr, argv.data(), envp.data());
-  posix_spawn_file_actions_destroy(&actions);
-  return rc == 0 ? pid : -1;
-}
-
-// The exit code of child `pid` once it ends; 128 + signal when killed.
-inline int wait_for_exit(pid_t pid) {
-  int status = 0;
-  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
-  }
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-}
 
 // Runs `program` with `args` (fsdp::run_child: no shell, the rendezvous
 // variables left out) and waits for it.
@@ -61,31 +28,8 @@ inline RunResult run_program(const std::string& program, const std::vector<std::
   return fsdp::run_child(argv);
 }
 
-// A fresh directory under $TMPDIR (or /tmp), removed with its files.
-class ScratchDir {
- public:
-  ScratchDir() {
-    const char* tmp = std::getenv("TMPDIR");
-    std::string pattern = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/fsdp_train_test.XXXXXX";
-    if (::mkdtemp(pattern.data()) != nullptr) path_ = pattern;
-  }
-  ~ScratchDir() {
-    for (const auto& f : files_) ::unlink(f.c_str());
-    if (!path_.empty()) ::rmdir(path_.c_str());
-  }
-  ScratchDir(const ScratchDir&) = delete;
-  ScratchDir& operator=(const ScratchDir&) = delete;
-
-  // A path in the directory, removed with it.
-  std::string file(const std::string& name) {
-    files_.push_back(path_ + "/" + name);
-    return files_.back();
-  }
-
- private:
-  std::string path_;
-  std::vector<std::string> files_;
-};
+// The testing layer's scratch directory (fsdp_testing/test_helpers.h).
+using fsdp::testing::ScratchDir;
 
 // The trainer tests' small run: 2 blocks of dim 32, `steps` steps, a global
 // batch of 6 rows (divisible by 1, 2 and 3), per-step losses to `json`.

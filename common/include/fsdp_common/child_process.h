@@ -10,6 +10,8 @@
 //   if (r.exit_code != 0) std::cerr << r.output;
 #pragma once
 
+#include <sys/types.h>
+
 #include <csignal>
 #include <functional>
 #include <string>
@@ -32,6 +34,11 @@ struct ChildOptions {
   // program once it has reached some state.
   std::function<bool(const std::string& output)> signal_when;
   int signal = SIGTERM;
+  // When set, called once with the child's pid right after it started, on
+  // the calling thread, before any of its output is read: how a test reaches
+  // what the child starts in turn (a launcher's ranks, from a thread of its
+  // own). It must return promptly: the child's output waits meanwhile.
+  std::function<void(pid_t child)> on_start;
 };
 
 struct ChildResult {
