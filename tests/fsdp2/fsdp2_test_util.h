@@ -14,6 +14,7 @@
 #include "device_mesh/dtensor.h"
 #include "fsdp_testing/distributed_test.h"
 #include "fsdp_testing/expect_error.h"
+#include "fsdp_testing/sharded_parity.h"
 #include "test_models.h"
 
 // FSDP2CPP_EXPECT_THROW_WITH (fsdp_testing/expect_error.h), under the name
@@ -83,18 +84,12 @@ inline void expect_close(const at::Tensor& actual, const at::Tensor& expected, c
       << what << ": max abs diff " << (actual - expected).abs().max().item<double>();
 }
 
-// Every parameter of `sharded` (gathered) equals the one of the same name in
-// `reference`.
+// Every parameter of `sharded` equals the one of the same name in
+// `reference`, compared shard by shard (fsdp_testing/sharded_parity.h);
+// gradients are not compared (expect_sharded_parity compares them).
 inline void expect_params_match(torch::nn::Module& sharded, torch::nn::Module& reference, const DeviceMesh& mesh,
                                 double rtol = 1e-5, double atol = 1e-6) {
-  auto ref_params = reference.named_parameters();
-  auto params = sharded.named_parameters();
-  ASSERT_EQ(params.size(), ref_params.size());
-  for (const auto& item : ref_params) {
-    const at::Tensor* p = params.find(item.key());
-    ASSERT_NE(p, nullptr) << "missing parameter " << item.key() << " (FQNs must not change)";
-    expect_close(full_param(*p, item.value().sizes().vec(), mesh), item.value().detach(), item.key(), rtol, atol);
-  }
+  testing::expect_sharded_parity(reference, sharded, mesh, {.rtol = rtol, .atol = atol, .gradients = false});
 }
 
 // Options that shard over the test's mesh, everything else default.
@@ -113,13 +108,6 @@ at::Tensor train_reference_step(Model& reference, torch::optim::Optimizer& optim
   loss.backward();
   optim.step();
   return loss;
-}
-
-// The mean over ranks of a per-rank scalar.
-inline double mean_over_ranks(testing::RankContext& ctx, double value) {
-  at::Tensor t = at::full({1}, value, at::kDouble);
-  ctx.world_group()->all_reduce(t, collectives::ReduceOp::avg()).wait();
-  return t.item<double>();
 }
 
 }  // namespace fsdp::test

@@ -74,7 +74,8 @@ void expect_training_matches_reference(testing::RankContext& ctx, const TrainOpt
     const double loss = mean_over_ranks(ctx, loss_sum);
     EXPECT_NEAR(loss, ref_loss, 1e-5 * std::abs(ref_loss) + 1e-7) << "step " << step;
   }
-  expect_params_match(*model, *reference, ctx.mesh());
+  // The last step's gradients too: reduced, clipped, and still held.
+  testing::expect_sharded_parity(*reference, *model, ctx.mesh());
 }
 
 class TrainingParity : public ::testing::TestWithParam<int> {};
