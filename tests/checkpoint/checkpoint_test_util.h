@@ -21,6 +21,7 @@
 #include "device_mesh/state_dict.h"
 #include "fsdp_testing/distributed_test.h"
 #include "fsdp_testing/expect_error.h"
+#include "fsdp_testing/test_helpers.h"
 
 // FSDP2CPP_EXPECT_THROW_WITH (fsdp_testing/expect_error.h), under the name
 // these tests have always used.
@@ -161,16 +162,8 @@ inline std::string read_bytes(const std::string& path) {
   return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
 }
 
-// The whole message of the c10::Error `f` throws (without the backtrace),
-// for tests that pin an error's exact text; "<no error>" when it returns.
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "<no error>";
-}
+// The message of the c10::Error `f` throws, without the backtrace, or
+// "<no error>" (the testing layer's, for tests that pin an error's text).
+using fsdp::testing::error_of;
 
 }  // namespace ckpt_test
