@@ -53,6 +53,7 @@ TEST(PlanTool, PrintsTheSimulatedTimeItsTraceAndTheSettingsCompared) {
   EXPECT_THAT(run.output, HasSubstr("settings compared"));
   EXPECT_THAT(run.output, HasSubstr("ac full"));
   EXPECT_THAT(run.output, HasSubstr("reshard after forward no"));
+  EXPECT_THAT(run.output, HasSubstr("prefetch 2"));
   const nlohmann::json j = nlohmann::json::parse(run.output.substr(run.output.find("\n{") + 1));
   EXPECT_EQ(j["time"]["device"], "h200");
   EXPECT_GT(j["time"]["step_s"].get<double>(), 0);
@@ -76,6 +77,7 @@ TEST(PlanTool, RejectsBadFlagsNamingThem) {
       {{"--world-size", "4", "--global-batch", "8", "--memory-per-gpu", "80XB"}, "--memory-per-gpu '80XB'"},
       {{"--world-size", "4", "--global-batch", "7"}, "global"},
       {{"--world-size", "4", "--global-batch", "8", "--device", "tpu"}, "--device 'tpu' is not a device profile"},
+      {{"--world-size", "4", "--global-batch", "8", "--prefetch", "-2"}, "--prefetch must be >= 0 (got -2)"},
   };
   for (const Case& c : cases) {
     const fsdp::ChildResult run = run_plan(small(c.args));

@@ -355,6 +355,34 @@ TEST(PlanDryRun, PlansTheGroupsTheRuntimeMakesItself) {
 
 fsdp_train::TrainConfig small_trainer() { return trainer_shape(2, 64, 4, 32); }
 
+// The trainer's --prefetch 2 as fsdp_plan plans it (fsdp_train's
+// set_block_prefetch): in step 2 of 4 blocks, forward issues the root's and
+// block 0's all-gathers before its first matmul, and with prefetch 2 also
+// blocks 1 and 2's; backward issues block 3's and, implicitly, block 2's
+// before its first reduce-scatter (block 3's), and with prefetch 2 block
+// 1's too.
+TEST(PlanDryRun, TheTrainersPrefetchDepthIssuesThatManyAllGathersAhead) {
+  const auto all_gathers_before = [](const std::vector<OpRecord>& ops, StepPhase phase, const std::string& op_name) {
+    int count = 0;
+    for (const OpRecord& op : ops) {
+      if (op.step != 2 || op.step_phase != phase) continue;
+      if (op.name == op_name) return count;
+      if (op.name == "all_gather_into_tensor") ++count;
+    }
+    return -1;
+  };
+  DryRunOptions options;
+  options.world_size = 4;
+  fsdp_train::TrainConfig c = trainer_shape(4, 64, 4, 32);
+  for (const int64_t prefetch : {0, 2}) {
+    SCOPED_TRACE("prefetch " + std::to_string(prefetch));
+    c.prefetch = prefetch;
+    const std::vector<OpRecord> ops = fsdp_plan_tool::plan_trainer(c, options, 1, 2).ops;
+    EXPECT_EQ(all_gathers_before(ops, StepPhase::kForward, "aten::mm"), prefetch == 0 ? 2 : 4);
+    EXPECT_EQ(all_gathers_before(ops, StepPhase::kBackward, "reduce_scatter_tensor"), prefetch == 0 ? 2 : 3);
+  }
+}
+
 // Every reduce-scatter of the trainer's step (bf16 parameters, fp32
 // reduction: the copy-in casts) reads only what the compute stream's copy-in
 // wrote: the edge that keeps the time model from running it before the

@@ -82,6 +82,21 @@ TEST(FsdpTrainParity, GroupedQueryAttentionAndLargerVocabAgreeAcrossWorldSizes) 
   EXPECT_NEAR(one.losses.front(), std::log(320.0), 0.5) << "a fresh model starts near ln(vocab)";
 }
 
+// --prefetch 2 (each block all-gathers the next two in forward, the previous
+// two in backward) moves when the all-gathers are issued, not what they
+// carry: at 3 ranks (uneven shards) every loss equals the run without it,
+// bit for bit, and the run says it prefetches.
+TEST(FsdpTrainParity, PrefetchChangesNoLoss) {
+  ScratchDir dir;
+  std::string output;
+  const TrainRecord plain = train(dir, 3, /*use_launcher=*/true, {}, "plain");
+  const TrainRecord prefetched = train(dir, 3, /*use_launcher=*/true, {"--prefetch", "2"}, "prefetch", &output);
+  ASSERT_TRUE(plain.ok && prefetched.ok);
+  ASSERT_EQ(prefetched.losses.size(), plain.losses.size());
+  for (size_t i = 0; i < plain.losses.size(); ++i) EXPECT_EQ(prefetched.losses[i], plain.losses[i]) << "step " << i + 1;
+  EXPECT_NE(output.find(", prefetch 2 blocks"), std::string::npos) << output;
+}
+
 // HSDP (2 replicas x 2 shards) trains exactly as one rank does. Global batch
 // 8 (divisible by 4 and 1).
 TEST(FsdpTrainParity, HsdpMeshMatchesOneRank) {

@@ -83,6 +83,17 @@ TEST(Validate, AllGatherDtypeFlags) {
   EXPECT_NE(fsdp_train::validate(c, 1).message().find("--no-shard gathers nothing"), std::string::npos);
 }
 
+TEST(Validate, PrefetchFlag) {
+  fsdp_train::TrainConfig c;
+  c.prefetch = 2;
+  EXPECT_TRUE(fsdp_train::validate(c, 2).ok());
+  c.prefetch = -1;
+  EXPECT_EQ(fsdp_train::validate(c, 2).message(), "--prefetch must be >= 0 (got -1)");
+  c.prefetch = 1;
+  c.no_shard = true;
+  EXPECT_EQ(fsdp_train::validate(c, 1).message(), "--no-shard gathers nothing: --prefetch is for fully_shard; drop it");
+}
+
 TEST(Validate, ActivationCheckpointingFlags) {
   fsdp_train::TrainConfig c;
   c.ac = "full";

@@ -47,8 +47,8 @@ ABSL_FLAG(std::string, device, "h100",
 ABSL_FLAG(int, gpus_per_node, 8, "Ranks per node (NVLink within, the network across).");
 ABSL_FLAG(std::string, trace, "", "Write the simulated timeline of the last step as a Chrome trace (Perfetto).");
 ABSL_FLAG(bool, compare, false,
-          "Also plan the settings a user weighs (reshard after forward, activation checkpointing, mixed precision) "
-          "and print them side by side.");
+          "Also plan the settings a user weighs (reshard after forward, prefetch depth, activation checkpointing, "
+          "mixed precision) and print them side by side.");
 // The model and sharding flags are the trainer's (model_flags.h).
 
 namespace {
@@ -110,12 +110,12 @@ fsdp_plan::DeviceProfile profile_from_flags(const fsdp_train::TrainConfig& confi
 }
 
 // The settings a user weighs, each changed alone from `base`: reshard after
-// forward, activation checkpointing, mixed precision.
+// forward, prefetch depth, activation checkpointing, mixed precision.
 std::vector<std::pair<std::string, fsdp_train::TrainConfig>> variants(const fsdp_train::TrainConfig& base) {
   std::vector<std::pair<std::string, fsdp_train::TrainConfig>> out = {{"as given", base}};
   const auto add = [&](const std::string& name, fsdp_train::TrainConfig c) {
     for (const auto& [_, other] : out) {
-      if (other.reshard_after_forward == c.reshard_after_forward && other.ac == c.ac &&
+      if (other.reshard_after_forward == c.reshard_after_forward && other.prefetch == c.prefetch && other.ac == c.ac &&
           other.param_dtype == c.param_dtype && other.reduce_dtype == c.reduce_dtype) {
         return;
       }
@@ -125,6 +125,11 @@ std::vector<std::pair<std::string, fsdp_train::TrainConfig>> variants(const fsdp
   fsdp_train::TrainConfig c = base;
   c.reshard_after_forward = !base.reshard_after_forward;
   add(std::string("reshard after forward ") + (c.reshard_after_forward ? "yes" : "no"), c);
+  for (const int64_t prefetch : {0, 2}) {
+    c = base;
+    c.prefetch = prefetch;
+    add(prefetch == 0 ? std::string("prefetch implicit") : "prefetch " + std::to_string(prefetch), c);
+  }
   for (const char* ac : {"none", "selective", "torchtitan", "full"}) {
     c = base;
     c.ac = ac;
@@ -249,9 +254,10 @@ void print_report(const Request& r, const Answer& a) {
       static_cast<long long>(c.vocab), static_cast<long long>(c.seq_len), static_cast<long long>(a.plan.parameters),
       static_cast<long long>(a.plan.local_parameters));
   std::printf(
-      "  step    local batch %lld, param dtype %s, reduce dtype %s, reshard after forward %s, ac %s; %d steps\n",
+      "  step    local batch %lld, param dtype %s, reduce dtype %s, reshard after forward %s%s, ac %s; %d steps\n",
       static_cast<long long>(r.local_batch), c.param_dtype.c_str(), c.reduce_dtype.c_str(),
-      c.reshard_after_forward ? "yes" : "no", c.ac.c_str(), r.steps);
+      c.reshard_after_forward ? "yes" : "no",
+      c.prefetch > 0 ? (", prefetch " + std::to_string(c.prefetch)).c_str() : "", c.ac.c_str(), r.steps);
   std::printf("memory of rank %d\n%s", r.options.rank, fsdp_plan::format_memory(a.plan.memory).c_str());
   std::printf("collectives of step %d\n", r.steps);
   for (const auto& [op, cb] : a.per_op) {

@@ -40,6 +40,7 @@ ShardedTrainer shard_trainer(const fsdp_train::TrainConfig& c, const fsdp::Devic
   ShardedTrainer t;
   t.model = fsdp_train::build_transformer(mc, c.seed, device, on_block);
   t.root = fsdp::fully_shard(t.model, options);
+  fsdp_train::set_block_prefetch(*t.model, c.prefetch);
   t.optim = std::make_unique<torch::optim::AdamW>(
       t.model->parameters(), torch::optim::AdamWOptions(c.lr).betas({0.9, 0.95}).weight_decay(c.weight_decay));
   t.parameters = fsdp_train::parameter_count(mc);

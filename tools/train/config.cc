@@ -140,6 +140,9 @@ absl::Status check_sharding_flags(const TrainConfig& c, int64_t world_size) {
                                    "): on the CPU the shards already live in host memory"));
   }
   if (c.cpu_offload && c.no_shard) return flag_error("--no-shard: --cpu-offload is a fully_shard option; drop it");
+  if (c.prefetch < 0) return flag_error(absl::StrCat("--prefetch must be >= 0 (got ", c.prefetch, ")"));
+  if (c.prefetch > 0 && c.no_shard)
+    return flag_error("--no-shard gathers nothing: --prefetch is for fully_shard; drop it");
   if (c.all_gather_dtype != "param" && c.all_gather_dtype != "int8") {
     return flag_error(absl::StrCat("--all-gather-dtype must be param or int8 (got '", c.all_gather_dtype, "')"));
   }

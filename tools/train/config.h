@@ -55,6 +55,12 @@ struct TrainConfig {
   std::string device = "cpu";
   // Passed to fully_shard of every block (the root keeps FSDP2's default).
   bool reshard_after_forward = true;
+  // Explicit prefetch: each block all-gathers the next `prefetch` blocks as
+  // its forward starts, and the previous `prefetch` as its backward starts
+  // (FSDPModule::set_modules_to_forward_prefetch and
+  // set_modules_to_backward_prefetch); 0 keeps FSDP2's implicit prefetching
+  // (backward all-gathers one block ahead, forward none).
+  int64_t prefetch = 0;
   // Where to write the per-step record (rank 0); empty: nowhere.
   std::string json_path;
   // A text file to train on; empty: the corpus shipped in data/.

@@ -25,6 +25,9 @@ ABSL_FLAG(double, clip, kDefaults.clip, "Max global gradient norm (fsdp::clip_gr
 ABSL_FLAG(bool, reshard_after_forward, kDefaults.reshard_after_forward,
           "fully_shard's reshard_after_forward for the blocks (false: keep their parameters gathered until "
           "backward).");
+ABSL_FLAG(int64_t, prefetch, kDefaults.prefetch,
+          "Explicit prefetch: each block all-gathers the next N blocks when its forward starts and the previous N "
+          "when its backward starts; 0: FSDP2's implicit prefetching (one block ahead in backward).");
 ABSL_FLAG(std::string, mesh, "", "RxS: replicate x shard ranks (HSDP when R > 1); default 1 x world size.");
 ABSL_FLAG(std::string, param_dtype, kDefaults.param_dtype, "fp32, bf16 or fp16: MixedPrecisionPolicy.param_dtype.");
 ABSL_FLAG(std::string, reduce_dtype, kDefaults.reduce_dtype, "fp32, bf16 or fp16: MixedPrecisionPolicy.reduce_dtype.");
@@ -50,6 +53,7 @@ void apply_model_flags(TrainConfig& config) {
   config.vocab = absl::GetFlag(FLAGS_vocab);
   config.clip = absl::GetFlag(FLAGS_clip);
   config.reshard_after_forward = absl::GetFlag(FLAGS_reshard_after_forward);
+  config.prefetch = absl::GetFlag(FLAGS_prefetch);
   config.mesh = absl::GetFlag(FLAGS_mesh);
   config.param_dtype = absl::GetFlag(FLAGS_param_dtype);
   config.reduce_dtype = absl::GetFlag(FLAGS_reduce_dtype);

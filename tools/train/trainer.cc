@@ -152,10 +152,12 @@ void print_header(const TrainConfig& c, const fsdp::DeviceMesh& mesh, const Corp
     std::printf("  fsdp    none (--no-shard: the same model unsharded, one rank)\n");
   } else {
     std::printf(
-        "  fsdp    fully_shard on %lld blocks + root, reshard_after_forward=%s, param dtype %s, reduce dtype %s%s%s\n",
+        "  fsdp    fully_shard on %lld blocks + root, reshard_after_forward=%s, param dtype %s, reduce dtype "
+        "%s%s%s%s\n",
         static_cast<long long>(m.layers), c.reshard_after_forward ? "true" : "false", c.param_dtype.c_str(),
         c.reduce_dtype.c_str(), c.cpu_offload ? ", CPU offload" : "",
-        c.all_gather_dtype == "int8" ? ", int8 all-gather (blocks)" : "");
+        c.all_gather_dtype == "int8" ? ", int8 all-gather (blocks)" : "",
+        c.prefetch > 0 ? (", prefetch " + std::to_string(c.prefetch) + " blocks").c_str() : "");
   }
   if (c.ac != "none") {
     const int64_t checkpointed = (m.layers + c.ac_every - 1) / c.ac_every;
@@ -207,7 +209,10 @@ ShardedModel build_model(const TrainConfig& c, const ModelConfig& mc, const fsdp
   };
   ShardedModel out;
   out.model = build_transformer(mc, c.seed, device, on_block);
-  if (!c.no_shard) out.root = fsdp::fully_shard(out.model, options);
+  if (!c.no_shard) {
+    out.root = fsdp::fully_shard(out.model, options);
+    set_block_prefetch(*out.model, c.prefetch);
+  }
   return out;
 }
 
@@ -345,6 +350,26 @@ void report_run(const TrainConfig& c, const fsdp::DeviceMesh& mesh, const c10::D
 }
 
 }  // namespace
+
+void set_block_prefetch(const Transformer& model, int64_t prefetch) {
+  if (prefetch <= 0) return;
+  std::vector<fsdp::FSDPModule> blocks;
+  for (const Block& block : model.blocks) {
+    std::optional<fsdp::FSDPModule> sharded = fsdp::fsdp_module_of(*block);
+    TORCH_CHECK(sharded.has_value(), "set_block_prefetch: a block is not fully_shard-ed; shard the blocks first");
+    blocks.push_back(*sharded);
+  }
+  const auto n = static_cast<int64_t>(blocks.size());
+  for (int64_t i = 0; i < n; ++i) {
+    std::vector<fsdp::FSDPModule> ahead, behind;
+    for (int64_t k = 1; k <= prefetch; ++k) {
+      if (i + k < n) ahead.push_back(blocks[static_cast<size_t>(i + k)]);
+      if (i - k >= 0) behind.push_back(blocks[static_cast<size_t>(i - k)]);
+    }
+    blocks[static_cast<size_t>(i)].set_modules_to_forward_prefetch(ahead);
+    blocks[static_cast<size_t>(i)].set_modules_to_backward_prefetch(behind);
+  }
+}
 
 fsdp::CheckpointOptions checkpoint_options(const TrainConfig& c) {
   fsdp::CheckpointOptions options;

@@ -27,6 +27,12 @@ ModelConfig model_config(const TrainConfig& config);
 // other matmul output recomputed). The same for run_training and fsdp_plan.
 fsdp::CheckpointOptions checkpoint_options(const TrainConfig& config);
 
+// --prefetch N on the blocks of `model`, each already fully_shard-ed: block
+// i's forward all-gathers blocks i+1..i+N, its backward blocks i-1..i-N (the
+// order backward runs them). N = 0 changes nothing. The same for
+// run_training and fsdp_plan.
+void set_block_prefetch(const Transformer& model, int64_t prefetch);
+
 // Trains as this process's rank of `world`. REQUIRES: validate(config,
 // world->size()) is OK. Throws c10::Error (or std::runtime_error for data
 // and file errors) on failure; collective over every rank of `world`.
