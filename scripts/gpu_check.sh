@@ -7,8 +7,8 @@
 #   2. every CTest test labelled `gpu` (ctest -L gpu);
 #   3. the GPU benchmarks that exist in this tree (missing ones are listed as
 #      skipped: fsdp_bench's CUDA rows, the planner's simulated step against
-#      the measured one) and a short CUDA training run of fsdp_train with
-#      --profile;
+#      the measured one, activation checkpointing against PyTorch FSDP2) and
+#      a short CUDA training run of fsdp_train with --profile;
 #   4. the report: device, driver, then PASS / FAIL / SKIP and the wall time of
 #      every step and test. Logs stay in $GPU_BUILD/gpu-check/.
 # Exits 0 when everything ran and passed; 1 when something failed; 2 when
@@ -143,6 +143,14 @@ if ((built)); then
     run_bench fsdp_plan_time_bench_cuda "$bench_dir/fsdp_plan_time_bench" --device cuda --profile "$profile" --max_nproc 1
   else
     record SKIP fsdp_plan_time_bench_cuda 0 "fsdp_plan_time_bench has no --device cuda in this tree"
+  fi
+  # Activation checkpointing against PyTorch FSDP2 on this GPU (issue 31; its
+  # first GPU run found full AC's activations 1.18x PyTorch's,
+  # docs/benchmarks.md).
+  if has_flag "$bench_dir/fsdp_ac_bench" --device; then
+    run_bench fsdp_ac_bench_cuda "$bench_dir/fsdp_ac_bench" --device cuda --nproc 1 --models deep
+  else
+    record SKIP fsdp_ac_bench_cuda 0 "fsdp_ac_bench has no --device flag in this tree"
   fi
   for bin in "$bench_dir"/*gpu*bench* "$bench_dir"/*bench*gpu* "$bench_dir"/*cuda*bench*; do
     [[ -x "$bin" && -f "$bin" ]] && run_bench "$(basename "$bin")" "$bin"
