@@ -86,6 +86,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward_meta(const at::Ten
     const int64_t batch = query.size(0), heads = query.size(1), q_len = round_up(query.size(2), 128),
                   head_dim = query.size(3);
     const at::TensorOptions fp32 = query.options().dtype(at::kFloat);
+    // The scratch lives for this scope only: the dry run records its allocation and free.
     const at::Tensor softmax_d = at::empty({batch, heads, q_len}, fp32);
     const at::Tensor dq_accum = at::empty({batch, q_len, heads, round_up(head_dim, head_dim <= 128 ? 32 : 64)}, fp32);
     if (key.size(1) != heads) {
