@@ -35,6 +35,7 @@
 #include <gtest/gtest.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include "fsdp_common/child_process.h"
 #include "fsdp_testing/test_helpers.h"
 
 extern char** environ;
@@ -51,6 +52,7 @@ constexpr const char* kCallVar = "FSDP2CPP_TEST_CALL";
 constexpr const char* kParentVar = "FSDP2CPP_TEST_PARENT_PID";
 constexpr size_t kOutputTail = 8 * 1024;
 constexpr size_t kOutputTailLines = 40;
+constexpr size_t kStacksTail = 48 * 1024;
 constexpr std::chrono::milliseconds kPollInterval{20};
 
 // The current test and the index of this run_distributed call within it.
@@ -289,6 +291,10 @@ void run_as_rank(const DistributedTestOptions& options, const RankBody& body, co
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   // Die with the harness (for instance when CTest kills it at its timeout).
   prctl(PR_SET_PDEATHSIG, SIGKILL);
+  // Let the harness's gdb read this rank's stacks if it hangs, also where
+  // Yama allows ptrace only from ancestors (gdb is the harness's child, not
+  // ours). Without Yama this fails harmlessly.
+  prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY);
   const std::string parent = env_or_empty(kParentVar);
   if (!parent.empty() && std::to_string(getppid()) != parent) std::_Exit(3);
 
@@ -441,8 +447,37 @@ std::vector<pid_t> spawn_ranks(const DistributedTestOptions& options, const Call
   return pids;
 }
 
+// [Note: stacks of a hung rank]
+// A rank killed at the deadline leaves no trace of where it waited: its
+// output is usually empty, since a body prints nothing until it fails, and a
+// hang seen once in CI could not be diagnosed. So before the kill the harness
+// asks gdb for every thread's stack, where gdb is on PATH (bounded by
+// coreutils' timeout, a few seconds per rank: gdb reads LibTorch's symbols).
+std::string thread_stacks(pid_t pid) {
+  if (env_or_empty("FSDP2CPP_TEST_STACKS") == "0") return "";
+  const std::string path = env_or_empty("PATH");
+  bool has_gdb = false;
+  std::stringstream dirs(path);
+  for (std::string dir; std::getline(dirs, dir, ':') && !has_gdb;) {
+    has_gdb = !dir.empty() && ::access((dir + "/gdb").c_str(), X_OK) == 0;
+  }
+  if (!has_gdb) return "";
+  ChildOptions quiet;
+  quiet.separate_stderr = true;
+  const ChildResult result = run_child({"timeout", "-s", "KILL", "60", "gdb", "-p", std::to_string(pid), "-batch",
+                                        "-nx", "-ex", "set pagination off", "-ex", "thread apply all bt"},
+                                       quiet);
+  std::string stacks;
+  for (const std::string& line : split_lines(result.output)) {
+    if (line.rfind("Thread ", 0) == 0 || line.rfind("#", 0) == 0) stacks += line + "\n";
+  }
+  if (stacks.empty()) return "";
+  return tail(stacks, kStacksTail);
+}
+
 // Waits for every rank to end, until `start` + the run's timeout, after which
-// the ranks still running are killed as timed out; fills in how each ended.
+// the ranks still running are killed as timed out (their stacks read first);
+// fills in how each ended.
 void wait_for_ranks(const std::vector<pid_t>& pids, std::chrono::steady_clock::time_point start,
                     std::chrono::seconds timeout, std::vector<RankOutcome>& outcomes) {
   const int n = static_cast<int>(pids.size());
@@ -470,6 +505,13 @@ void wait_for_ranks(const std::vector<pid_t>& pids, std::chrono::steady_clock::t
     }
     if (remaining == 0) break;
     if (std::chrono::steady_clock::now() >= deadline) {
+      // The time of the deadline, not of the kill after gdb read the stacks.
+      const double at_deadline = elapsed();
+      std::vector<std::thread> readers;
+      for (int r = 0; r < n; ++r) {
+        if (running[r]) readers.emplace_back([&, r] { outcomes[r].stacks = thread_stacks(pids[r]); });
+      }
+      for (std::thread& reader : readers) reader.join();
       for (int r = 0; r < n; ++r) {
         if (!running[r]) continue;
         kill(-pids[r], SIGKILL);
@@ -477,7 +519,7 @@ void wait_for_ranks(const std::vector<pid_t>& pids, std::chrono::steady_clock::t
         running[r] = false;
         outcomes[r].timed_out = true;
         outcomes[r].signal = SIGKILL;
-        outcomes[r].seconds = elapsed();
+        outcomes[r].seconds = at_deadline;
       }
       break;
     }
@@ -671,6 +713,10 @@ void report_failures(const CallId& call, int world_size, const std::vector<RankO
         << (output.empty() ? std::string("(no output)\n")
                            : "---- last lines of rank " + std::to_string(outcome->rank) + "'s output ----\n" + output +
                                  "---- end of rank " + std::to_string(outcome->rank) + " ----\n")
+        << (outcome->stacks.empty()
+                ? std::string()
+                : "---- rank " + std::to_string(outcome->rank) + "'s threads at the deadline ----\n" + outcome->stacks +
+                      "---- end of rank " + std::to_string(outcome->rank) + "'s threads ----\n")
         << "(FSDP2CPP_TEST_VERBOSE=1 prints every rank's full output)";
   }
 }

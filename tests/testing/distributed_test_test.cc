@@ -257,6 +257,15 @@ TEST(RunDistributedCollect, HangingRankIsKilledAtTheTimeout) {
   EXPECT_THAT(hung.describe(), HasSubstr("still running"));
   EXPECT_TRUE(outcomes[1].ok()) << outcomes[1].describe();
   EXPECT_FALSE(outcomes[1].timed_out);
+  EXPECT_TRUE(outcomes[1].stacks.empty());
+  // Where gdb is installed (the CI machines), the hung rank's threads were
+  // read before the kill, and its main thread was found in the sleep.
+  if (std::system("command -v gdb > /dev/null 2>&1") == 0) {
+    EXPECT_THAT(hung.stacks, HasSubstr("Thread 1 "));
+    EXPECT_THAT(hung.stacks, HasSubstr("sleep"));
+  } else {
+    EXPECT_TRUE(hung.stacks.empty());
+  }
 }
 
 TEST(RunDistributedCollect, ExceptionInTheBodyFailsThatRank) {

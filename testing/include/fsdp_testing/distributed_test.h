@@ -101,6 +101,10 @@ struct RankOutcome {
   bool body_ran = false;
   double seconds = 0;  // wall time from start to exit (or to the kill)
   std::string output;  // stdout and stderr, interleaved
+  // When timed out: every thread's stack at the deadline, as gdb printed
+  // them before the kill ("Thread ..." and "#N ..." lines); empty when gdb is
+  // not on PATH or FSDP2CPP_TEST_STACKS=0.
+  std::string stacks;
   bool ok() const { return exited && exit_code == 0 && body_ran; }
   // One line: the rank and how it ended ("rank 1: killed by signal 6
   // (SIGABRT: Aborted) after 0.4s", "rank 0: timed out after 5.0s, still
@@ -118,7 +122,9 @@ struct RankOutcome {
 // checks with `if (is_rank_process()) return;`.
 //
 // Environment: FSDP2CPP_TEST_VERBOSE=1 prints every rank's output, also when
-// it passed. The rank processes see FSDP2CPP_TEST_RANK,
+// it passed; FSDP2CPP_TEST_STACKS=0 skips the thread stacks of ranks that
+// timed out (RankOutcome::stacks), which otherwise cost gdb a few seconds per
+// rank. The rank processes see FSDP2CPP_TEST_RANK,
 // FSDP2CPP_TEST_WORLD_SIZE, FSDP2CPP_TEST_STORE and FSDP2CPP_TEST_NAME.
 void run_distributed(const DistributedTestOptions& options, const RankBody& body);
 void run_distributed(int world_size, const RankBody& body);
