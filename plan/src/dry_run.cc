@@ -20,6 +20,7 @@
 #include "collectives/world.h"
 #include "dry_backend.h"
 #include "fsdp_plan/caching_allocator.h"
+#include "host_placement.h"
 #include "kernel_call.h"
 #include "meta_streams.h"
 
@@ -95,6 +96,8 @@ struct DryRun::Recorder {
     CachingAllocatorModel::Handle block = -1;
     int stream = 0;
     std::string op;
+    bool host = false;  // host memory ([Note: host memory in a dry run])
+    bool pinned = false;
   };
 
   mutable std::mutex mutex;
@@ -103,9 +106,13 @@ struct DryRun::Recorder {
   std::vector<std::string> phase_stack;  // FSDP labels, innermost last
   int64_t seq = 0;
   int64_t live = 0, peak = 0, peak_seq = 0;
+  // Host memory (a CUDA job's CPU offload): bytes as requested, and pinned
+  // bytes as the pinned allocator hands them out (pinned_block_bytes).
+  int64_t host_live = 0, host_peak = 0, host_peak_seq = 0, pinned_live = 0, pinned_peak = 0;
   int64_t step = 0;
   StepPhase step_phase = StepPhase::kSetup;
   std::vector<int64_t> backward_start;  // per step (index step - 1): the sequence number
+  int64_t setup_end = INT64_MAX;        // the sequence number when step 1 began
   std::vector<int64_t> step_peaks;
   CachingAllocatorModel cuda;
   std::vector<CollectiveRecord> collectives;
@@ -137,8 +144,10 @@ struct DryRun::Recorder {
   // compute stream); without, the one FSDP2 uses for `phase_label`'s phase.
   int stream_now(const std::string& phase_label);
   // Records an allocation of `bytes` on FSDP stream `stream` (stream_of's
-  // numbering) made now; returns its index.
-  int64_t record_allocation(int64_t bytes, int stream);
+  // numbering), or in host memory, made now; returns its index.
+  int64_t record_allocation(int64_t bytes, int stream, detail::Placement placement = {});
+  // Frees allocation `index` (the storage's last reference went away).
+  void record_free(int64_t index);
   // The workspace cuBLAS makes for a matmul about to run on `stream`, when
   // its handle has none there yet.
   void make_blas_workspace(int stream);
@@ -164,10 +173,16 @@ void on_free(void* ctx) {
   std::lock_guard<std::mutex> lock(g_mutex);
   DryRun::Recorder* r = g_recorder;
   if (r == nullptr || r->generation != cell->generation) return;
-  auto& a = r->allocations[static_cast<size_t>(cell->index)];
-  a.freed_at = ++r->seq;
-  r->live -= a.bytes;
-  r->cuda.free(a.block);
+  r->record_free(cell->index);
+}
+
+// What PyTorch's pinned-memory allocator hands out for a request of `bytes`:
+// the next power of two (CachingHostAllocator rounds every request so, to
+// reuse blocks), cached when freed.
+int64_t pinned_block_bytes(int64_t bytes) {
+  int64_t block = 1;
+  while (block < bytes) block <<= 1;
+  return block;
 }
 
 // The ATen ops (and autograd nodes) running on this thread, innermost last:
@@ -179,8 +194,24 @@ struct Frame {
   bool has_callees = false;
   std::unique_ptr<OpRecord> kernel;  // what it reads and costs, if it runs a kernel
   size_t allocations_before = 0;     // the recorder's allocations when it started
+  // Its tensors in host memory (bytes) and whether any is the device's: an
+  // op on host tensors only runs on the host, one on both moves the host's.
+  int64_t host_bytes = 0;
+  bool device_operand = false;
+  std::vector<int64_t> counted;  // allocations counted (an in-place op returns what it wrote)
 };
 thread_local std::vector<Frame> t_frames;
+
+// Counts tensor `t` (allocation `a`) among the operands of `frame`'s op.
+void count_operand(const DryRun::Recorder& r, const at::Tensor& t, int64_t a, Frame& frame) {
+  if (std::find(frame.counted.begin(), frame.counted.end(), a) != frame.counted.end()) return;
+  frame.counted.push_back(a);
+  if (r.allocations[static_cast<size_t>(a)].host) {
+    frame.host_bytes += static_cast<int64_t>(t.numel()) * t.element_size();
+  } else {
+    frame.device_operand = true;
+  }
+}
 
 const char* current_op() {
   for (auto it = t_frames.rbegin(); it != t_frames.rend(); ++it) {
@@ -198,7 +229,10 @@ class RecordingMetaAllocator final : public c10::Allocator {
     std::lock_guard<std::mutex> lock(g_mutex);
     DryRun::Recorder* r = g_recorder;
     if (r == nullptr || nbytes == 0) return {nullptr, nullptr, &noop, c10::Device(c10::kMeta)};
-    const int64_t index = r->record_allocation(static_cast<int64_t>(nbytes), r->stream_now(r->current_phase()));
+    const detail::Placement placement =
+        detail::host_placement_enabled() ? detail::current_placement() : detail::Placement{};
+    const int64_t index =
+        r->record_allocation(static_cast<int64_t>(nbytes), r->stream_now(r->current_phase()), placement);
     return {nullptr, new Cell{r->generation, index}, &on_free, c10::Device(c10::kMeta)};
   }
   c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
@@ -317,7 +351,7 @@ void count_flops(const std::string& name, c10::ArrayRef<const c10::IValue> in, c
 
 struct OpInfo;
 const OpInfo& info_of(const at::RecordFunction& fn);
-std::unique_ptr<OpRecord> start_kernel(const at::RecordFunction& fn, size_t* allocations_before);
+std::unique_ptr<OpRecord> start_kernel(const at::RecordFunction& fn, Frame& frame);
 
 // FSDP phase labels reach us as RecordFunction user scopes (phase.h opens
 // one for each phase when any callback is registered).
@@ -329,7 +363,7 @@ std::unique_ptr<at::ObserverContext> on_scope_enter(const at::RecordFunction& fn
     const bool aten = fn.scope() == at::RecordScope::FUNCTION && std::strncmp(fn.name(), "aten::", 6) == 0;
     if (!t_frames.empty() && !(aten && info_of(fn).free)) t_frames.back().has_callees = true;
     Frame frame{fn.name(), aten};
-    if (aten) frame.kernel = start_kernel(fn, &frame.allocations_before);
+    if (aten) frame.kernel = start_kernel(fn, frame);
     t_frames.push_back(std::move(frame));
     return nullptr;
   }
@@ -350,7 +384,7 @@ std::unique_ptr<at::ObserverContext> on_scope_enter(const at::RecordFunction& fn
 
 // What an op reads and its cost, taken as it starts (its inputs are gone by
 // its end); null for an op that runs no kernel.
-std::unique_ptr<OpRecord> start_kernel(const at::RecordFunction& fn, size_t* allocations_before) {
+std::unique_ptr<OpRecord> start_kernel(const at::RecordFunction& fn, Frame& frame) {
   const OpInfo& info = info_of(fn);
   if (info.free) return nullptr;
   auto op = std::make_unique<OpRecord>();
@@ -374,16 +408,21 @@ std::unique_ptr<OpRecord> start_kernel(const at::RecordFunction& fn, size_t* all
   for (size_t i = 0; i < in.size(); ++i) {
     const bool written = i < info.writes.size() && info.writes[i];
     for_each_tensor(in[i], [&](const at::Tensor& t) {
-      if (const int64_t a = r->allocation_of(t); a >= 0) (written ? op->writes : op->reads).push_back(a);
+      if (const int64_t a = r->allocation_of(t); a >= 0) {
+        (written ? op->writes : op->reads).push_back(a);
+        count_operand(*r, t, a, frame);
+      }
     });
   }
   if (op->matmul) r->make_blas_workspace(r->stream_now(r->current_phase()));
-  *allocations_before = r->allocations.size();
+  frame.allocations_before = r->allocations.size();
   return op;
 }
 
 // A kernel: an ATen op that called no other op and is no view or allocation.
-void finish_kernel(const at::RecordFunction& fn, std::unique_ptr<OpRecord> op, size_t allocations_before) {
+void finish_kernel(const at::RecordFunction& fn, Frame& frame) {
+  std::unique_ptr<OpRecord> op = std::move(frame.kernel);
+  const size_t allocations_before = frame.allocations_before;
   for (const c10::IValue& v : fn.outputs()) op->bytes += bytes_of(v);
   std::lock_guard<std::mutex> lock(g_mutex);
   DryRun::Recorder* r = g_recorder;
@@ -397,8 +436,15 @@ void finish_kernel(const at::RecordFunction& fn, std::unique_ptr<OpRecord> op, s
   if (op->writes.empty() && returns_tensors && r->allocations.size() == allocations_before) return;
   for (const c10::IValue& v : fn.outputs()) {
     for_each_tensor(v, [&](const at::Tensor& t) {
-      if (const int64_t a = r->allocation_of(t); a >= 0) op->writes.push_back(a);
+      if (const int64_t a = r->allocation_of(t); a >= 0) {
+        op->writes.push_back(a);
+        count_operand(*r, t, a, frame);
+      }
     });
+  }
+  if (frame.host_bytes > 0) {
+    op->on_host = !frame.device_operand;
+    if (frame.device_operand) op->host_link_bytes = frame.host_bytes;
   }
   op->stream = r->stream_now(r->current_phase());
   r->add_op(std::move(*op));
@@ -409,7 +455,7 @@ void on_scope_exit(const at::RecordFunction& fn, at::ObserverContext*) {
     if (t_frames.empty()) return;
     Frame frame = std::move(t_frames.back());
     t_frames.pop_back();
-    if (frame.kernel && !frame.has_callees) finish_kernel(fn, std::move(frame.kernel), frame.allocations_before);
+    if (frame.kernel && !frame.has_callees) finish_kernel(fn, frame);
     return;
   }
   if (std::strncmp(fn.name(), "FSDP::", 6) != 0) return;
@@ -452,6 +498,19 @@ class DryStore final : public c10d::HashStore {
 
 }  // namespace
 
+namespace detail {
+
+bool on_host(const at::Tensor& t) {
+  const Cell* cell = cell_of(t);
+  if (cell == nullptr) return false;
+  std::lock_guard<std::mutex> lock(g_mutex);
+  const DryRun::Recorder* r = g_recorder;
+  if (r == nullptr || r->generation != cell->generation) return false;
+  return r->allocations[static_cast<size_t>(cell->index)].host;
+}
+
+}  // namespace detail
+
 void DryRun::Recorder::mark(const at::Tensor& t, Holder holder, bool only_unmarked) {
   const Cell* cell = cell_of(t);
   if (cell == nullptr || cell->generation != generation) return;
@@ -477,7 +536,7 @@ int DryRun::Recorder::stream_now(const std::string& phase_label) {
   return by_phase;
 }
 
-int64_t DryRun::Recorder::record_allocation(int64_t bytes, int stream) {
+int64_t DryRun::Recorder::record_allocation(int64_t bytes, int stream, detail::Placement placement) {
   Allocation a;
   a.bytes = bytes;
   a.allocated_at = ++seq;
@@ -485,8 +544,21 @@ int64_t DryRun::Recorder::record_allocation(int64_t bytes, int stream) {
   a.step_phase = step_phase;
   a.fsdp_phase = current_phase();
   a.stream = stream;
-  a.block = cuda.allocate(a.bytes, a.stream);
   if (const char* op = current_op()) a.op = op;
+  if (placement.host) {
+    a.host = true;
+    a.pinned = placement.pinned;
+    host_live += a.bytes;
+    if (a.pinned) pinned_live += pinned_block_bytes(a.bytes);
+    if (host_live > host_peak) {
+      host_peak = host_live;
+      host_peak_seq = a.allocated_at;
+    }
+    pinned_peak = std::max(pinned_peak, pinned_live);
+    allocations.push_back(std::move(a));
+    return static_cast<int64_t>(allocations.size() - 1);
+  }
+  a.block = cuda.allocate(a.bytes, a.stream);
   live += a.bytes;
   if (live > peak) {
     peak = live;
@@ -498,6 +570,18 @@ int64_t DryRun::Recorder::record_allocation(int64_t bytes, int stream) {
   }
   allocations.push_back(std::move(a));
   return static_cast<int64_t>(allocations.size() - 1);
+}
+
+void DryRun::Recorder::record_free(int64_t index) {
+  Allocation& a = allocations[static_cast<size_t>(index)];
+  a.freed_at = ++seq;
+  if (a.host) {
+    host_live -= a.bytes;
+    if (a.pinned) pinned_live -= pinned_block_bytes(a.bytes);
+    return;
+  }
+  live -= a.bytes;
+  cuda.free(a.block);
 }
 
 void DryRun::Recorder::make_blas_workspace(int stream) {
@@ -669,6 +753,7 @@ DryRun::DryRun(DryRunOptions options) : options_(std::move(options)) {
   set_attention_layout(o.engine == fsdp::collectives::BackendKind::kGloo ? AttentionLayout::kCpu
                                                                          : AttentionLayout::kCuda);
   if (o.engine == fsdp::collectives::BackendKind::kNccl) {
+    detail::set_host_placement(true);
     r->blas_workspace_bytes = o.blas_workspace_bytes;
     r->stream_listener = std::make_unique<RecorderStreamListener>(r);
     r->streams = std::make_unique<detail::MetaStreams>(r->stream_listener.get());
@@ -678,6 +763,7 @@ DryRun::DryRun(DryRunOptions options) : options_(std::move(options)) {
 
 DryRun::~DryRun() {
   meta_.reset();
+  detail::set_host_placement(false);
   recorder_->streams.reset();
   at::removeCallback(callback_);
   std::lock_guard<std::mutex> lock(g_mutex);
@@ -701,6 +787,7 @@ void DryRun::begin(StepPhase phase) {
   Recorder& r = *recorder_;
   if (phase == StepPhase::kForward) {
     r.mark_live_optimizer_state();
+    if (r.step == 0) r.setup_end = r.seq;
     ++r.step;
     r.step_peaks.push_back(r.live);
     r.backward_start.push_back(INT64_MAX);
@@ -727,24 +814,33 @@ MemoryReport DryRun::memory() const {
   report.step_peaks = r.step_peaks;
   report.end_bytes = r.live;
   report.allocations = static_cast<int64_t>(r.allocations.size());
+  report.host_peak_bytes = r.host_peak;
+  report.host_pinned_peak = r.pinned_peak;
+  report.host_end_bytes = r.host_live;
+  const auto holder_of = [&r](const Recorder::Allocation& a) {
+    if (a.mark) return *a.mark;
+    if (auto by_phase = holder_of_phase(phase_of(a.fsdp_phase))) return *by_phase;
+    // What setup made and kept; what it made and dropped (the trainer's
+    // initial values, staged on the host) was a temporary.
+    if (a.step == 0) return a.freed_at <= r.setup_end ? Holder::kTemporaries : Holder::kParameters;
+    if (a.step_phase == StepPhase::kForward && a.freed_at > r.backward_start[static_cast<size_t>(a.step - 1)]) {
+      return Holder::kActivations;
+    }
+    return Holder::kTemporaries;
+  };
+  const auto live_at = [](const Recorder::Allocation& a, int64_t seq) {
+    return a.allocated_at <= seq && a.freed_at > seq;
+  };
   for (const auto& a : r.allocations) {
     if (a.allocated_at == r.peak_seq) {
       report.peak_step = a.step;
       report.peak_step_phase = a.step_phase;
       report.peak_fsdp_phase = a.fsdp_phase;
     }
-    if (a.allocated_at > r.peak_seq || a.freed_at <= r.peak_seq) continue;
-    Holder holder = Holder::kTemporaries;
-    if (a.mark) {
-      holder = *a.mark;
-    } else if (auto by_phase = holder_of_phase(phase_of(a.fsdp_phase))) {
-      holder = *by_phase;
-    } else if (a.step == 0) {
-      holder = Holder::kParameters;
-    } else if (a.step_phase == StepPhase::kForward && a.freed_at > r.backward_start[static_cast<size_t>(a.step - 1)]) {
-      holder = Holder::kActivations;
+    if (!a.host && live_at(a, r.peak_seq)) report.peak_by_holder[static_cast<size_t>(holder_of(a))] += a.bytes;
+    if (a.host && live_at(a, r.host_peak_seq)) {
+      report.host_peak_by_holder[static_cast<size_t>(holder_of(a))] += a.bytes;
     }
-    report.peak_by_holder[static_cast<size_t>(holder)] += a.bytes;
   }
   return report;
 }
@@ -754,7 +850,7 @@ std::vector<AllocationRecord> DryRun::allocations() const {
   std::vector<AllocationRecord> out;
   out.reserve(recorder_->allocations.size());
   for (const auto& a : recorder_->allocations) {
-    out.push_back({a.bytes, a.allocated_at, a.freed_at, a.step, a.step_phase, a.fsdp_phase, a.stream, a.op});
+    out.push_back({a.bytes, a.allocated_at, a.freed_at, a.step, a.step_phase, a.fsdp_phase, a.stream, a.op, a.host});
   }
   return out;
 }

@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <optional>
 #include <tuple>
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -10,6 +11,8 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
+
+#include "host_placement.h"
 
 namespace fsdp_plan {
 namespace {
@@ -33,12 +36,41 @@ void meta_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torc
         at::_scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, is_causal, std::nullopt, scale)));
     return;
   }
+  // [Note: host memory in a dry run] (host_placement.h): an explicit device
+  // places the outputs, else the first tensor argument, else the caller.
+  std::optional<bool> on_host_by_device;
+  bool pinned = false;
+  std::optional<at::Tensor> first_tensor;
   for (size_t i = 0; i < args.size(); ++i) {
+    c10::IValue& arg = (*stack)[base + i];
     const std::string& name = args[i].name();
-    if (name == "device") (*stack)[base + i] = c10::IValue(c10::Device(c10::kMeta));
-    if (name == "pin_memory" && !(*stack)[base + i].isNone()) (*stack)[base + i] = c10::IValue(false);
+    if (name == "device") {
+      if (!arg.isNone() && arg.toDevice().type() != c10::kMeta) on_host_by_device = arg.toDevice().is_cpu();
+      arg = c10::IValue(c10::Device(c10::kMeta));
+    }
+    if (name == "pin_memory" && !arg.isNone()) {
+      pinned = arg.toBool();
+      arg = c10::IValue(false);
+    }
+    if (!first_tensor && arg.isTensor() && arg.toTensor().defined()) first_tensor = arg.toTensor();
+    if (!first_tensor && arg.isTensorList() && !arg.toTensorList().empty()) first_tensor = arg.toTensorList().get(0);
   }
-  op.redispatchBoxed(keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kModeKey), stack);
+  const auto redispatch = [&] {
+    op.redispatchBoxed(keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kModeKey), stack);
+  };
+  if (!detail::host_placement_enabled()) {
+    redispatch();
+    return;
+  }
+  detail::Placement placement = detail::current_placement();
+  if (on_host_by_device) {
+    placement = {*on_host_by_device, *on_host_by_device && pinned};
+  } else if (first_tensor && first_tensor->defined()) {
+    const bool host = detail::on_host(*first_tensor);
+    placement = {host, host && pinned};
+  }
+  const detail::PlacementScope scope(placement);
+  redispatch();
 }
 
 TORCH_LIBRARY_IMPL(_, DeferredInit, m) { m.fallback(torch::CppFunction::makeFromBoxedFunction<&meta_fallback>()); }
@@ -106,7 +138,19 @@ TORCH_LIBRARY_IMPL(aten, Meta, m) {
 
 namespace {
 thread_local int depth = 0;
+thread_local detail::Placement t_placement;
+std::atomic<bool> g_host_placement{false};
 }  // namespace
+
+namespace detail {
+
+void set_host_placement(bool enabled) { g_host_placement.store(enabled); }
+bool host_placement_enabled() { return g_host_placement.load(std::memory_order_relaxed); }
+Placement current_placement() { return t_placement; }
+PlacementScope::PlacementScope(Placement placement) : previous_(t_placement) { t_placement = placement; }
+PlacementScope::~PlacementScope() { t_placement = previous_; }
+
+}  // namespace detail
 
 MetaMode::MetaMode() {
   if (depth++ == 0) include_.emplace(kModeKey);

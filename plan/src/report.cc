@@ -45,13 +45,29 @@ std::string format_memory(const MemoryReport& r) {
   }
   std::snprintf(line, sizeof(line), "  between steps   %s (sharded state)\n", mib(r.end_bytes).c_str());
   out += line;
+  if (r.host_peak_bytes > 0) {
+    std::snprintf(line, sizeof(line), "  host memory     %s at its peak (%lld bytes; pinned: %s as allocated)\n",
+                  mib(r.host_peak_bytes).c_str(), static_cast<long long>(r.host_peak_bytes),
+                  mib(r.host_pinned_peak).c_str());
+    out += line;
+    for (int h = 0; h < kHolderCount; ++h) {
+      const int64_t bytes = r.host_peak_by_holder[static_cast<size_t>(h)];
+      if (bytes == 0) continue;
+      std::snprintf(line, sizeof(line), "    %-24s %12s\n", to_string(static_cast<Holder>(h)).c_str(),
+                    mib(bytes).c_str());
+      out += line;
+    }
+  }
   return out;
 }
 
 std::string memory_json(const MemoryReport& r) {
   nlohmann::ordered_json holders = nlohmann::ordered_json::object();
-  for (int h = 0; h < kHolderCount; ++h)
+  nlohmann::ordered_json host_holders = nlohmann::ordered_json::object();
+  for (int h = 0; h < kHolderCount; ++h) {
     holders[to_string(static_cast<Holder>(h))] = r.peak_by_holder[static_cast<size_t>(h)];
+    host_holders[to_string(static_cast<Holder>(h))] = r.host_peak_by_holder[static_cast<size_t>(h)];
+  }
   const nlohmann::ordered_json j = {{"peak_allocated_bytes", r.peak_allocated},
                                     {"peak_reserved_bytes", r.peak_reserved},
                                     {"peak_tensor_bytes", r.peak_bytes},
@@ -61,7 +77,11 @@ std::string memory_json(const MemoryReport& r) {
                                     {"peak_by_holder_bytes", holders},
                                     {"step_peak_tensor_bytes", r.step_peaks},
                                     {"end_tensor_bytes", r.end_bytes},
-                                    {"allocations", r.allocations}};
+                                    {"allocations", r.allocations},
+                                    {"host_peak_bytes", r.host_peak_bytes},
+                                    {"host_peak_by_holder_bytes", host_holders},
+                                    {"host_pinned_peak_bytes", r.host_pinned_peak},
+                                    {"host_end_bytes", r.host_end_bytes}};
   return j.dump(2);
 }
 

@@ -24,9 +24,11 @@
 namespace fsdp_plan {
 namespace {
 
-// Streams (OpRecord::stream); kStreamCount rows in the trace besides the host.
-constexpr int kStreamCount = 6;
+// Streams (OpRecord::stream), and the host's own compute (CPU offload's
+// optimizer step): kStreamCount rows in the trace.
+constexpr int kStreamCount = 7;
 constexpr int kCollectiveStream = 5;
+constexpr int kHostCompute = 6;
 
 // [Note: the shipped device profiles] Every figure is a public one or an
 // estimate from public ones, and none was fitted to the published runs the
@@ -49,6 +51,12 @@ constexpr int kCollectiveStream = 5;
 //   - the host: 6 us to dispatch and launch one ATen op from C++ (estimate:
 //     LibTorch's dispatcher plus cudaLaunchKernel), 2 us of device overhead
 //     per kernel;
+//   - the host (CPU offload): PCIe 5.0 x16 moves 64 GB/s per direction;
+//     pinned copies reach about 55 GB/s of it (estimate, as bandwidth tests
+//     of pinned memory on such systems report); the optimizer step on the
+//     CPU streams through host memory at 45 GB/s per rank (estimate: a DGX
+//     H100's two Xeon 8480C have 8 channels of DDR5-4800 each, 614 GB/s for
+//     8 GPUs, 77 GB/s per rank, of which elementwise loops reach about 60%);
 //   - the 500 W cap of torchtitan's H100s: 0.85 of the 700 W board's
 //     sustained tensor-core rate (estimate: the clock such a cap sustains
 //     under dense GEMM load); their 96 GB of HBM2e at 2.4 TB/s (torchtitan's
@@ -73,6 +81,8 @@ DeviceProfile h100_sxm() {
   p.collective_latency_s = 15e-6;
   p.intra_node_hop_s = 1e-6;
   p.inter_node_hop_s = 5e-6;
+  p.host_link_bandwidth = 55e9;
+  p.host_memory_bandwidth = 45e9;
   p.sources = "H100 SXM5 80 GB datasheet peaks; " + std::string(kSharedSources);
   return p;
 }
@@ -127,7 +137,18 @@ double kernel_seconds(const OpRecord& op, const DeviceProfile& p) {
   } else if (op.matmul) {
     compute = static_cast<double>(op.flops) / (peak * p.matmul_efficiency);
   }
-  const double memory = static_cast<double>(op.bytes) / (p.memory_bandwidth * p.memory_efficiency);
+  if (op.on_host && !p.host_computes) {
+    TORCH_CHECK(p.host_memory_bandwidth > 0, "fsdp_plan: device profile '", p.name,
+                "' has no host_memory_bandwidth, and ", op.name,
+                " runs on the host (CPU offload's optimizer step); give the bytes/s one rank's CPU streams");
+    return static_cast<double>(op.bytes) / p.host_memory_bandwidth + p.host_launch_s;
+  }
+  double memory = static_cast<double>(op.bytes) / (p.memory_bandwidth * p.memory_efficiency);
+  if (op.host_link_bytes > 0 && !p.host_computes) {
+    TORCH_CHECK(p.host_link_bandwidth > 0, "fsdp_plan: device profile '", p.name, "' has no host_link_bandwidth, and ",
+                op.name, " copies between the host and the device (CPU offload); give the link's bytes/s");
+    memory = std::max(memory, static_cast<double>(op.host_link_bytes) / p.host_link_bandwidth);
+  }
   return std::max(compute, memory) + p.kernel_overhead_s;
 }
 
@@ -171,14 +192,15 @@ double covered_only_by(const std::vector<Interval>& a, const std::vector<Interva
   return covered(both, from, to) - covered(b, from, to);
 }
 
-// The phases of a step partition its time at the compute stream: forward
-// until the first backward op starts computing, backward until the first
-// optimizer op does (communication issued ahead of its phase, a prefetch,
-// counts in the phase whose compute it overlaps).
+// The phases of a step partition its time at the compute stream (and the
+// host's compute, CPU offload's optimizer step): forward until the first
+// backward op starts computing, backward until the first optimizer op does
+// (communication issued ahead of its phase, a prefetch, counts in the phase
+// whose compute it overlaps).
 void fill_phases(const std::vector<TimedOp>& ops, double from, double to, std::vector<PhaseTime>& rows) {
   double backward = to, optimizer = to;
   for (const TimedOp& op : ops) {
-    if (op.collective || op.stream != 0) continue;
+    if (op.collective || (op.stream != 0 && op.stream != kHostCompute)) continue;
     if (op.step_phase == StepPhase::kBackward) backward = std::min(backward, op.start_s);
     if (op.step_phase == StepPhase::kOptimizer) optimizer = std::min(optimizer, op.start_s);
   }
@@ -341,6 +363,7 @@ std::string stream_name(int stream) {
     case 3: return "reduce-scatter";
     case 4: return "all-reduce";
     case kCollectiveStream: return "collectives of the compute stream";
+    case kHostCompute: return "host (CPU offload's compute)";
   }
   return "stream " + std::to_string(stream);
 }
@@ -379,8 +402,12 @@ std::vector<TimedOp> run_timeline(const std::vector<OpRecord>& ops, const Device
     const bool collective = op.kind == OpRecord::Kind::kCollective;
     // On a CPU the kernels run on the host thread and the engine runs every
     // collective in turn on its worker.
-    int stream = std::clamp(op.stream, 0, kStreamCount - 1);
+    int stream = std::clamp(op.stream, 0, kCollectiveStream);
     if (p.host_computes) stream = collective ? 2 : 0;
+    // A GPU job's kernel on host tensors only (CPU offload's optimizer step)
+    // runs on the host thread, which issues nothing meanwhile.
+    const bool on_cpu = op.on_host && !p.host_computes && !collective;
+    if (on_cpu) stream = kHostCompute;
     double ready = 0;
     for (int64_t a : op.reads) {
       if (auto it = written_at.find(a); it != written_at.end()) ready = std::max(ready, it->second);
@@ -397,7 +424,7 @@ std::vector<TimedOp> run_timeline(const std::vector<OpRecord>& ops, const Device
     }
     TimedOp t{op.name, op.fsdp_phase, op.step, op.step_phase, stream, collective, host, 0, 0, op.flops, op.bytes};
     const double cost = collective ? collective_seconds(op, p) : kernel_seconds(op, p);
-    if (p.host_computes && !collective) {
+    if ((p.host_computes && !collective) || on_cpu) {
       t.start_s = std::max(host, ready);
       host = t.start_s + cost;
     } else {

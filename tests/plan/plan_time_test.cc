@@ -231,6 +231,53 @@ TEST(PlanTime, RejectsAMissingStepAndABadProfileNamingThem) {
   }
 }
 
+// CPU offload, in ms: the copy of a 1 MB shard in from the host takes the
+// host link (0.25 GB/s: 4 ms), not the device's memory (1 ms); the
+// optimizer's kernel on host tensors runs on the host thread once its input
+// is ready, at the host's memory bandwidth (3 MB at 1 GB/s), and the host
+// issues nothing meanwhile, so the next device kernel starts after it:
+//   c0  copy-in, host -> device, 1 MB             [0, 4]
+//   k1  forward, 1 GFLOP, reads c0's output       [4, 5]
+//   k2  optimizer on the host, 3 MB, reads k1's   [5, 8]
+//   k3  optimizer on the device, 1 GFLOP          [8, 9]
+TEST(PlanTime, OffloadsCopiesTakeTheHostLinkAndItsOptimizerTheHost) {
+  OpRecord copy_in = kernel(StepPhase::kForward, 0, 1'000'000, {}, {0}, "FSDP::all_gather_copy_in (b0)");
+  copy_in.name = "aten::copy_";
+  copy_in.stream = 1;
+  copy_in.host_link_bytes = 1'000'000;
+  OpRecord on_host = kernel(StepPhase::kOptimizer, 0, 3'000'000, {1}, {2});
+  on_host.name = "aten::addcdiv_";
+  on_host.on_host = true;
+  const std::vector<OpRecord> ops = {copy_in, kernel(StepPhase::kForward, 1'000'000'000, 0, {0}, {1}), on_host,
+                                     kernel(StepPhase::kOptimizer, 1'000'000'000, 0, {}, {3})};
+  TimelineOptions options;
+  options.device = round_profile();
+  options.device.host_link_bandwidth = 0.25e9;
+  options.device.host_memory_bandwidth = 1e9;
+  const StepTime t = simulate(ops, 1, options);
+  ASSERT_EQ(t.ops.size(), 4u);
+  EXPECT_NEAR(t.ops[0].end_s, 4e-3, 1e-12);
+  EXPECT_NEAR(t.ops[2].start_s, 5e-3, 1e-12);
+  EXPECT_NEAR(t.ops[2].end_s, 8e-3, 1e-12);
+  EXPECT_EQ(stream_name(t.ops[2].stream), "host (CPU offload's compute)");
+  EXPECT_NEAR(t.ops[3].start_s, 8e-3, 1e-12);
+  EXPECT_NEAR(t.step_s, 9e-3, 1e-12);
+  ASSERT_EQ(t.phases.size(), 3u);
+  EXPECT_NEAR(t.phases[2].wall_s, 4e-3, 1e-12);  // the optimizer, from the host's kernel on
+
+  options.device.host_memory_bandwidth = 0;
+  EXPECT_THAT([&] { simulate(ops, 1, options); },
+              ::testing::ThrowsMessage<c10::Error>(HasSubstr("host_memory_bandwidth")));
+  options.device.host_memory_bandwidth = 1e9;
+  options.device.host_link_bandwidth = 0;
+  EXPECT_THAT([&] { simulate(ops, 1, options); },
+              ::testing::ThrowsMessage<c10::Error>(HasSubstr("host_link_bandwidth")));
+  for (const std::string& name : device_profile_names()) {
+    EXPECT_GT(device_profile(name)->host_link_bandwidth, 0) << name;
+    EXPECT_GT(device_profile(name)->host_memory_bandwidth, 0) << name;
+  }
+}
+
 TEST(PlanTime, MeasuresThisMachinesCpu) {
   const DeviceProfile cpu = measure_cpu_profile(/*ranks=*/1, /*threads=*/1);
   EXPECT_TRUE(cpu.host_computes);

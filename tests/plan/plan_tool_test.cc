@@ -54,6 +54,7 @@ TEST(PlanTool, PrintsTheSimulatedTimeItsTraceAndTheSettingsCompared) {
   EXPECT_THAT(run.output, HasSubstr("ac full"));
   EXPECT_THAT(run.output, HasSubstr("reshard after forward no"));
   EXPECT_THAT(run.output, HasSubstr("prefetch 2"));
+  EXPECT_THAT(run.output, HasSubstr("cpu offload"));
   const nlohmann::json j = nlohmann::json::parse(run.output.substr(run.output.find("\n{") + 1));
   EXPECT_EQ(j["time"]["device"], "h200");
   EXPECT_GT(j["time"]["step_s"].get<double>(), 0);
@@ -63,6 +64,19 @@ TEST(PlanTool, PrintsTheSimulatedTimeItsTraceAndTheSettingsCompared) {
   int complete = 0;
   for (const auto& e : t["traceEvents"]) complete += e["ph"] == "X";
   EXPECT_GT(complete, 10);
+}
+
+TEST(PlanTool, PlansCpuOffloadWithTheShardedStateInHostMemory) {
+  const fsdp::ChildResult run =
+      run_plan(small({"--world-size", "4", "--global-batch", "8", "--cpu-offload", "--json=-"}));
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("host memory"));
+  const nlohmann::json j = nlohmann::json::parse(run.output.substr(run.output.find("\n{") + 1));
+  const nlohmann::json& host = j["memory"]["host_peak_by_holder_bytes"];
+  // AdamW's two moments take twice what the parameters take, on the host.
+  EXPECT_GT(host["sharded parameters"].get<int64_t>(), 0);
+  EXPECT_EQ(host["optimizer state"].get<int64_t>(), 2 * host["sharded parameters"].get<int64_t>());
+  EXPECT_EQ(j["memory"]["peak_by_holder_bytes"]["optimizer state"].get<int64_t>(), 0);
 }
 
 TEST(PlanTool, RejectsBadFlagsNamingThem) {
@@ -78,6 +92,8 @@ TEST(PlanTool, RejectsBadFlagsNamingThem) {
       {{"--world-size", "4", "--global-batch", "7"}, "global"},
       {{"--world-size", "4", "--global-batch", "8", "--device", "tpu"}, "--device 'tpu' is not a device profile"},
       {{"--world-size", "4", "--global-batch", "8", "--prefetch", "-2"}, "--prefetch must be >= 0 (got -2)"},
+      {{"--world-size", "4", "--global-batch", "8", "--cpu-offload", "--engine", "gloo"},
+       "--cpu-offload plans a CUDA job, but --engine gloo plans a CPU job"},
   };
   for (const Case& c : cases) {
     const fsdp::ChildResult run = run_plan(small(c.args));

@@ -288,6 +288,81 @@ TEST(PlanDryRun, ACudaJobHoldsOneCublasWorkspacePerHandleAndStream) {
   EXPECT_EQ(gloo.peak_by_holder[static_cast<size_t>(Holder::kWorkspaces)], 0);
 }
 
+// CPU offload in a CUDA job's dry run: the two blocks of the hand count
+// above keep their sharded state in host memory, which the report gives
+// apart from the device's. Rank 0's shards are 8,192 bytes a weight:
+//   host: sharded parameters (pinned)   2 x 8,192      16,384
+//         sharded gradients (pinned)    2 x 8,192      16,384
+//         AdamW's two moments           2 x 2 x 8,192  32,768
+// all held between steps (65,536 bytes) and at the host's peak, with the
+// optimizer step's temporaries on top; pinned blocks of 8,192 bytes are
+// powers of two already. The device keeps none of it: between steps it
+// holds nothing. Each all-gather copies its shard in from the host (8,192
+// bytes over the host link), each reduced gradient goes back to it, and the
+// optimizer's kernels run on the host.
+TEST(PlanDryRun, ACudaJobWithCpuOffloadKeepsTheShardedStateInHostMemory) {
+  DryRunOptions options;
+  options.world_size = 2;
+  options.blas_workspace_bytes = 0;
+  std::vector<OpRecord> ops;
+  MemoryReport r;
+  {
+    DryRun dry(options);
+    auto model = std::make_shared<TwoBlocks>();
+    fsdp::FullyShardOptions offload;
+    offload.offload_policy.offload_to_cpu = true;
+    shard_two_blocks(model, dry.mesh(), offload);
+    torch::optim::AdamW optim(model->parameters(), 1e-3);
+    dry.track(model);
+    train_two_steps(dry, *model, optim);
+    r = dry.memory();
+    ops = dry.ops();
+  }
+  const auto on_host = [&](Holder h) { return r.host_peak_by_holder[static_cast<size_t>(h)]; };
+  const auto on_device = [&](Holder h) { return r.peak_by_holder[static_cast<size_t>(h)]; };
+  EXPECT_EQ(on_host(Holder::kParameters), 16384);
+  EXPECT_EQ(on_host(Holder::kGradients), 16384);
+  EXPECT_EQ(on_host(Holder::kOptimizerState), 32768);
+  EXPECT_EQ(r.host_end_bytes, 65536);
+  EXPECT_GE(r.host_peak_bytes, 65536);
+  EXPECT_EQ(r.host_pinned_peak, 4 * 8192);
+  EXPECT_EQ(on_device(Holder::kParameters), 0);
+  EXPECT_EQ(on_device(Holder::kGradients), 0);
+  EXPECT_EQ(on_device(Holder::kOptimizerState), 0);
+  EXPECT_EQ(r.end_bytes, 0);
+  // The device's peak loses the sharded state: 110,600 - 16,384 (shards) -
+  // 32,768 (moments) - 8,192 (block 1's sharded gradient, now on the host).
+  // Without the sharded state the device's peak moves from step 2's copy-out
+  // of block 0 (110,600 - 16,384 - 32,768 - 8,192 = 53,256 now) to step 1's
+  // backward, when block 1's weight gradient is made while block 0's
+  // all-gather is already in flight: block 0's all-gather output 16,384,
+  // block 1's unsharded weight 16,384 and its full gradient 16,384, x and
+  // block 0's output (saved for backward) 2 x 2,048 and the loss 4, the
+  // gradient into block 1's output 2,048 and the loss's 4: 55,304.
+  EXPECT_EQ(r.peak_bytes, 55304);
+  EXPECT_EQ(r.peak_step, 1);
+  EXPECT_EQ(r.peak_step_phase, StepPhase::kBackward);
+  EXPECT_EQ(on_device(Holder::kAllGather), 16384);
+  EXPECT_EQ(on_device(Holder::kUnshardedParameters), 16384);
+  EXPECT_EQ(on_device(Holder::kUnreducedGradients), 16384);
+  EXPECT_EQ(on_device(Holder::kActivations), 2 * 2048 + 4);
+  EXPECT_EQ(on_device(Holder::kTemporaries), 2048 + 4);
+
+  int64_t copied_in = 0, copied_back = 0, optimizer_on_host = 0, optimizer_on_device = 0;
+  for (const OpRecord& op : ops) {
+    if (op.step != 2) continue;
+    if (op.fsdp_phase.rfind("FSDP::all_gather_copy_in", 0) == 0) copied_in += op.host_link_bytes;
+    if (op.step_phase == StepPhase::kBackward) copied_back += op.host_link_bytes;
+    if (op.step_phase == StepPhase::kOptimizer && op.kind == OpRecord::Kind::kKernel) {
+      ++(op.on_host ? optimizer_on_host : optimizer_on_device);
+    }
+  }
+  EXPECT_EQ(copied_in, 4 * 8192);    // each block's shard, in forward and again in backward
+  EXPECT_EQ(copied_back, 4 * 8192);  // backward's two all-gathers in, the two reduced gradients out
+  EXPECT_GT(optimizer_on_host, 0);
+  EXPECT_EQ(optimizer_on_device, 0);
+}
+
 // Causal attention's backward in a CUDA job's dry run makes
 // FlashAttention-2's float32 scratch and frees it before returning: for
 // query [2, 4, 200, 64], softmax_d [2, 4, 256] (8,192 bytes) and the dq

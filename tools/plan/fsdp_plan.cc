@@ -110,13 +110,16 @@ fsdp_plan::DeviceProfile profile_from_flags(const fsdp_train::TrainConfig& confi
 }
 
 // The settings a user weighs, each changed alone from `base`: reshard after
-// forward, prefetch depth, activation checkpointing, mixed precision.
-std::vector<std::pair<std::string, fsdp_train::TrainConfig>> variants(const fsdp_train::TrainConfig& base) {
+// forward, prefetch depth, activation checkpointing, mixed precision, and in
+// a CUDA job CPU offload.
+std::vector<std::pair<std::string, fsdp_train::TrainConfig>> variants(const fsdp_train::TrainConfig& base,
+                                                                      bool cuda_job) {
   std::vector<std::pair<std::string, fsdp_train::TrainConfig>> out = {{"as given", base}};
   const auto add = [&](const std::string& name, fsdp_train::TrainConfig c) {
     for (const auto& [_, other] : out) {
       if (other.reshard_after_forward == c.reshard_after_forward && other.prefetch == c.prefetch && other.ac == c.ac &&
-          other.param_dtype == c.param_dtype && other.reduce_dtype == c.reduce_dtype) {
+          other.param_dtype == c.param_dtype && other.reduce_dtype == c.reduce_dtype &&
+          other.cpu_offload == c.cpu_offload) {
         return;
       }
     }
@@ -143,6 +146,11 @@ std::vector<std::pair<std::string, fsdp_train::TrainConfig>> variants(const fsdp
   c.param_dtype = "fp32";
   c.reduce_dtype = "fp32";
   add("fp32 params and reduce", c);
+  if (cuda_job) {
+    c = base;
+    c.cpu_offload = !base.cpu_offload;
+    add(c.cpu_offload ? "cpu offload" : "no cpu offload", c);
+  }
   return out;
 }
 
@@ -152,7 +160,7 @@ void print_comparison(const fsdp_train::TrainConfig& base, const fsdp_plan::DryR
               profile.name.c_str());
   std::printf("  %-28s %12s %12s %10s %12s %12s\n", "setting", "reserved MiB", "step ms", "tokens/s", "exposed ms",
               "MFU %");
-  for (const auto& [name, c] : variants(base)) {
+  for (const auto& [name, c] : variants(base, /*cuda_job=*/options.engine == fsdp::collectives::BackendKind::kNccl)) {
     const fsdp_plan_tool::TrainerPlan plan = fsdp_plan_tool::plan_trainer(c, options, local_batch, steps);
     // A measured profile times this variant's own kernels.
     const fsdp_plan::DeviceProfile variant_profile =
@@ -183,6 +191,15 @@ std::optional<Request> request_from_flags() {
     std::fprintf(stderr, "fsdp_plan: --world-size must be at least 1 (got %d)\n", world_size);
     return std::nullopt;
   }
+  r.engine = absl::GetFlag(FLAGS_engine);
+  if (r.config.cpu_offload && r.engine == "gloo") {
+    std::fprintf(stderr,
+                 "fsdp_plan: --cpu-offload plans a CUDA job, but --engine gloo plans a CPU job, whose shards already "
+                 "live in host memory; drop one of them\n");
+    return std::nullopt;
+  }
+  // The trainer's checks of its flags: an offloaded job is a CUDA job.
+  if (r.config.cpu_offload) r.config.device = "cuda";
   if (const absl::Status ok = fsdp_train::validate(r.config, world_size); !ok.ok()) {
     std::fprintf(stderr, "fsdp_plan: %s\n", std::string(ok.message()).c_str());
     return std::nullopt;
@@ -193,7 +210,6 @@ std::optional<Request> request_from_flags() {
     std::fprintf(stderr, "fsdp_plan: --rank %d is not a rank of --world-size %d\n", r.options.rank, world_size);
     return std::nullopt;
   }
-  r.engine = absl::GetFlag(FLAGS_engine);
   if (r.engine != "nccl" && r.engine != "gloo") {
     std::fprintf(stderr, "fsdp_plan: --engine must be nccl or gloo (got '%s')\n", r.engine.c_str());
     return std::nullopt;

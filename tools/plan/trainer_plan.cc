@@ -28,6 +28,7 @@ ShardedTrainer shard_trainer(const fsdp_train::TrainConfig& c, const fsdp::Devic
   options.mesh = mesh;
   options.mp_policy.param_dtype = value_or_throw(fsdp_train::parse_dtype("param-dtype", c.param_dtype));
   options.mp_policy.reduce_dtype = value_or_throw(fsdp_train::parse_dtype("reduce-dtype", c.reduce_dtype));
+  options.offload_policy.offload_to_cpu = c.cpu_offload;
   fsdp::FullyShardOptions block_options = options;
   block_options.reshard_after_forward = c.reshard_after_forward;
   const fsdp::CheckpointOptions ac_options = fsdp_train::checkpoint_options(c);
@@ -38,6 +39,7 @@ ShardedTrainer shard_trainer(const fsdp_train::TrainConfig& c, const fsdp::Devic
     fsdp::fully_shard(block, block_options);
   };
   ShardedTrainer t;
+  t.device = device;
   t.model = fsdp_train::build_transformer(mc, c.seed, device, on_block);
   t.root = fsdp::fully_shard(t.model, options);
   fsdp_train::set_block_prefetch(*t.model, c.prefetch);
@@ -53,7 +55,7 @@ void train_step(ShardedTrainer& t, const fsdp_train::TrainConfig& c, int64_t loc
   const auto phase = [&](fsdp_plan::StepPhase p) {
     if (on_phase) on_phase(p);
   };
-  const c10::Device device = t.model->tok_embeddings->weight.device();
+  const c10::Device device = t.device;
   phase(fsdp_plan::StepPhase::kForward);
   t.optim->zero_grad();
   const at::Tensor inputs =

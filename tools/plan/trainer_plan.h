@@ -31,6 +31,9 @@ struct ShardedTrainer {
   std::shared_ptr<fsdp_train::Transformer> model;
   std::optional<fsdp::FSDPModule> root;
   std::unique_ptr<torch::optim::AdamW> optim;
+  // Where the batches go: the mesh's device (the shards may be on the host,
+  // with --cpu-offload).
+  c10::Device device = c10::Device(c10::kCPU);
   int64_t parameters = 0;        // the whole model's
   int64_t local_parameters = 0;  // this rank's rows
 };
@@ -38,7 +41,7 @@ struct ShardedTrainer {
 // The model of `config` (fsdp_train::model_config: --layers, --dim, --heads,
 // --kv-heads, --hidden, --vocab, --seq-len),
 // each block checkpointed as --ac / --ac-every say and sharded with
-// --reshard-after-forward, --param-dtype, --reduce-dtype, then the root, and
+// --reshard-after-forward, --param-dtype, --reduce-dtype, --cpu-offload, then the root, and
 // AdamW over the shards: what run_training builds. REQUIRES:
 // fsdp_train::validate(config, mesh.size()) is OK. Collective over the mesh.
 ShardedTrainer shard_trainer(const fsdp_train::TrainConfig& config, const fsdp::DeviceMesh& mesh,

@@ -60,9 +60,6 @@ ABSL_FLAG(std::string, device, kDefaults.device, "cpu (Gloo) or cuda (NCCL, one 
 ABSL_FLAG(std::string, json, "", "Write the per-step losses, throughput and memory to this JSON file (rank 0).");
 ABSL_FLAG(std::string, data, "", "Train on this text file (bytes); default: the corpus in the source tree's data/.");
 ABSL_FLAG(int64_t, log_every, kDefaults.log_every, "Print a progress line every this many steps.");
-ABSL_FLAG(bool, cpu_offload, kDefaults.cpu_offload,
-          "CUDA: keep the sharded parameters, gradients and AdamW state in pinned host memory (fully_shard's "
-          "OffloadPolicy::offload_to_cpu; the optimizer steps on the CPU).");
 ABSL_FLAG(std::string, all_gather_dtype, kDefaults.all_gather_dtype,
           "param or int8: int8 all-gathers the blocks' parameters as int8 with an fp32 scale per 256 values "
           "(fsdp::Int8AllGather), dequantized before use; the root's all-gather is not quantized.");
@@ -106,7 +103,6 @@ fsdp_train::TrainConfig config_from_flags() {
   c.json_path = absl::GetFlag(FLAGS_json);
   c.data_path = absl::GetFlag(FLAGS_data);
   c.log_every = absl::GetFlag(FLAGS_log_every);
-  c.cpu_offload = absl::GetFlag(FLAGS_cpu_offload);
   c.no_shard = absl::GetFlag(FLAGS_no_shard);
   c.all_gather_dtype = absl::GetFlag(FLAGS_all_gather_dtype);
   c.compare_all_gather = absl::GetFlag(FLAGS_compare_all_gather);

@@ -36,6 +36,9 @@ ABSL_FLAG(std::string, ac, kDefaults.ac,
           "through forward and is recomputed in backward), selective (full, but the outputs of the matmuls and "
           "attention are kept, not recomputed) or torchtitan (selective with torchtitan's refinement: every other "
           "matmul output is recomputed).");
+ABSL_FLAG(bool, cpu_offload, kDefaults.cpu_offload,
+          "CUDA: keep the sharded parameters, gradients and AdamW state in pinned host memory (fully_shard's "
+          "OffloadPolicy::offload_to_cpu; the optimizer steps on the CPU).");
 ABSL_FLAG(int64_t, ac_every, kDefaults.ac_every, "With --ac: checkpoint every this many blocks (0, N, 2N, ...).");
 ABSL_FLAG(int64_t, threads, kDefaults.threads,
           "Intra-op threads per rank; 0: the cores divided among the local ranks.");
@@ -60,6 +63,7 @@ void apply_model_flags(TrainConfig& config) {
   config.ac = absl::GetFlag(FLAGS_ac);
   config.ac_every = absl::GetFlag(FLAGS_ac_every);
   config.threads = absl::GetFlag(FLAGS_threads);
+  config.cpu_offload = absl::GetFlag(FLAGS_cpu_offload);
 }
 
 }  // namespace fsdp_train

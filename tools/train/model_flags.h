@@ -13,11 +13,11 @@
 
 namespace fsdp_train {
 
-// Sets the model, batch, sharding, precision, activation checkpointing and
-// intra-op threads fields of `config` from their flags (--global-batch,
+// Sets the model, batch, sharding, precision, offload, activation
+// checkpointing and intra-op threads fields of `config` from their flags (--global-batch,
 // --seq-len, --layers, --dim, --heads, --kv-heads, --hidden, --vocab,
 // --clip, --reshard-after-forward, --mesh, --param-dtype, --reduce-dtype,
-// --ac, --ac-every, --threads). Call after the command line is parsed; the
+// --ac, --ac-every, --threads, --cpu-offload). Call after the command line is parsed; the
 // values are checked by validate() (config.h), not here.
 void apply_model_flags(TrainConfig& config);
 

@@ -48,7 +48,11 @@
 // own scratch, a CUDA job's dry run adds cuBLAS's workspaces (one per
 // cuBLAS handle and stream, made at the first matmul and never freed:
 // DryRunOptions::blas_workspace_bytes) and flash attention's backward
-// scratch (meta_mode.h). What remains apart from a CUDA run: a buffer
+// scratch (meta_mode.h). In a CUDA job's dry run, storages a CUDA run
+// would hold in host memory (CPU offload's shards, gradients and optimizer
+// state; what the program stages on the CPU) are recorded apart from the
+// device's (plan/src/host_placement.h; MemoryReport::host_peak_bytes). What
+// remains apart from a CUDA run: a buffer
 // another stream used (record_stream) is taken as reusable when the host
 // frees it, and other kernels' scratch; docs/planning.md lists both.
 //
@@ -138,6 +142,13 @@ struct OpRecord {
   // The storages it reads and writes, as indices into allocations(): the
   // data dependencies between streams that FSDP's events enforce.
   std::vector<int64_t> reads, writes;
+  // Kernels of a CUDA job with host memory (CPU offload): whether every
+  // tensor it touches is the host's, so it runs on the CPU (the offloaded
+  // optimizer step), and the bytes of host tensors a kernel that also
+  // touches the device's moves over the host link (a copy to or from the
+  // host).
+  bool on_host = false;
+  int64_t host_link_bytes = 0;
   // The ops it waits for by the runtime's events, as indices into ops(): its
   // stream waited for them (an event recorded after them, blocked on; a
   // stream's wait for another), or the host did before issuing it (an event
@@ -158,6 +169,9 @@ struct AllocationRecord {
   std::string fsdp_phase;  // the innermost FSDP phase label, or empty
   int stream = 0;          // 0 compute, 1 all-gather copy-in, 2 all-gather, 3 reduce-scatter, 4 all-reduce
   std::string op;          // the ATen op that allocated it, when known
+  // Host memory, not the device's (a CUDA job's CPU offload: its shards,
+  // gradients and optimizer state; not in the caching allocator's figures).
+  bool host = false;
 };
 
 // The memory of the simulated rank over the steps run.
@@ -180,6 +194,17 @@ struct MemoryReport {
   std::vector<int64_t> step_peaks;
   // Bytes held at the end of the last step (sharded state between steps).
   int64_t end_bytes = 0;
+  // Host memory, apart from all of the above (a CUDA job with CPU offload:
+  // the sharded parameters, gradients and optimizer state it keeps on the
+  // CPU, and what it stages there): its peak (bytes as requested) and what
+  // held it then, the peak of its pinned memory as PyTorch's pinned
+  // allocator hands it out (each request rounded up to a power of two), and
+  // what is held at the end. All 0 in a CPU job's dry run, whose device is
+  // the host.
+  int64_t host_peak_bytes = 0;
+  std::vector<int64_t> host_peak_by_holder = std::vector<int64_t>(kHolderCount, 0);
+  int64_t host_pinned_peak = 0;
+  int64_t host_end_bytes = 0;
   int64_t allocations = 0;
 };
 

@@ -14,7 +14,9 @@
 // threads working for it, which inherit the thread's dispatch state):
 // - every factory function (an op with a `device` argument: at::empty,
 //   at::zeros, at::randn, at::arange, Tensor::to(device), ...) makes meta
-//   tensors, whatever device it was asked for, and never pinned memory.
+//   tensors, whatever device it was asked for, and never pinned memory
+//   (where a CUDA run would have put them, host or device, is kept for a
+//   DryRun: plan/src/host_placement.h).
 //   LibTorch's modules (torch::nn::Linear, ...) construct their parameters
 //   with such calls, so they are built on the meta device as they are;
 //   in-place initialisers (uniform_, normal_) do nothing on meta tensors.

@@ -33,6 +33,10 @@
 // the network's otherwise (HSDP's shard and replicate groups each get
 // theirs).
 //
+// With CPU offload, a copy between host and device memory takes at least its
+// host bytes over the host link, and a kernel on host tensors only (the
+// optimizer step) runs on the host thread at the host's memory bandwidth.
+//
 // What it does not model: the host's own synchronizations (none in a steady
 // FSDP2 step on CUDA), the CUDA caching allocator's stream waits, contention
 // between concurrent kernels and collectives for the SMs and memory, and
@@ -76,6 +80,12 @@ struct DeviceProfile {
   double collective_latency_s = 0;
   double intra_node_hop_s = 0;
   double inter_node_hop_s = 0;
+  // The host, for CPU offload: bytes/s of copies between pinned host memory
+  // and the device (per direction, per GPU), and bytes/s one rank's share of
+  // the CPU streams through host memory (its optimizer step). 0: unknown
+  // (simulating an offloaded job then throws naming the field).
+  double host_link_bandwidth = 0;
+  double host_memory_bandwidth = 0;
   // Measured seconds of kernels by their call's signature (the CPU profile
   // times each distinct kernel of the plan); a kernel not in it takes the
   // roofline above.
