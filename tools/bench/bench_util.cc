@@ -151,8 +151,10 @@ std::string command_line(const std::string& program, const std::vector<std::stri
 Measured failure(const std::string& program, const std::vector<std::string>& args, const RunResult& run,
                  const std::string& why) {
   Measured m;
+  // Enough lines to reach past a Python traceback of the parent (about 15)
+  // to what a crashed child printed before it.
   m.error = why + " (exit code " + std::to_string(run.exit_code) + "): " + command_line(program, args) + "\n" +
-            tail(run.output);
+            tail(run.output, 60);
   return m;
 }
 
@@ -246,7 +248,7 @@ RunResult run_pytorch_script(const std::string& python, const std::vector<std::s
   std::fprintf(stderr,
                "bench: the PyTorch FSDP2 script failed (exit code %d); running it once more. The end of its "
                "output:\n%s\n",
-               run.exit_code, tail(run.output).c_str());
+               run.exit_code, tail(run.output, 60).c_str());
   return attempt();
 }
 
