@@ -40,6 +40,7 @@ void meta_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torc
   // places the outputs, else the first tensor argument, else the caller.
   std::optional<bool> on_host_by_device;
   bool pinned = false;
+  const bool placing = detail::host_placement_enabled();
   std::optional<at::Tensor> first_tensor;
   for (size_t i = 0; i < args.size(); ++i) {
     c10::IValue& arg = (*stack)[base + i];
@@ -52,13 +53,14 @@ void meta_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torc
       pinned = arg.toBool();
       arg = c10::IValue(false);
     }
-    if (!first_tensor && arg.isTensor() && arg.toTensor().defined()) first_tensor = arg.toTensor();
-    if (!first_tensor && arg.isTensorList() && !arg.toTensorList().empty()) first_tensor = arg.toTensorList().get(0);
+    if (!placing || first_tensor) continue;
+    if (arg.isTensor() && arg.toTensor().defined()) first_tensor = arg.toTensor();
+    if (arg.isTensorList() && !arg.toTensorList().empty()) first_tensor = arg.toTensorList().get(0);
   }
   const auto redispatch = [&] {
     op.redispatchBoxed(keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kModeKey), stack);
   };
-  if (!detail::host_placement_enabled()) {
+  if (!placing) {
     redispatch();
     return;
   }

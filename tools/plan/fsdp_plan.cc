@@ -192,14 +192,18 @@ std::optional<Request> request_from_flags() {
     return std::nullopt;
   }
   r.engine = absl::GetFlag(FLAGS_engine);
+  if (r.engine != "nccl" && r.engine != "gloo") {
+    std::fprintf(stderr, "fsdp_plan: --engine must be nccl or gloo (got '%s')\n", r.engine.c_str());
+    return std::nullopt;
+  }
   if (r.config.cpu_offload && r.engine == "gloo") {
     std::fprintf(stderr,
                  "fsdp_plan: --cpu-offload plans a CUDA job, but --engine gloo plans a CPU job, whose shards already "
                  "live in host memory; drop one of them\n");
     return std::nullopt;
   }
-  // The trainer's checks of its flags: an offloaded job is a CUDA job.
-  if (r.config.cpu_offload) r.config.device = "cuda";
+  // The job the trainer's checks see: NCCL's semantics plan a CUDA job.
+  r.config.device = r.engine == "nccl" ? "cuda" : "cpu";
   if (const absl::Status ok = fsdp_train::validate(r.config, world_size); !ok.ok()) {
     std::fprintf(stderr, "fsdp_plan: %s\n", std::string(ok.message()).c_str());
     return std::nullopt;
@@ -208,10 +212,6 @@ std::optional<Request> request_from_flags() {
   r.options.rank = absl::GetFlag(FLAGS_rank);
   if (r.options.rank < 0 || r.options.rank >= world_size) {
     std::fprintf(stderr, "fsdp_plan: --rank %d is not a rank of --world-size %d\n", r.options.rank, world_size);
-    return std::nullopt;
-  }
-  if (r.engine != "nccl" && r.engine != "gloo") {
-    std::fprintf(stderr, "fsdp_plan: --engine must be nccl or gloo (got '%s')\n", r.engine.c_str());
     return std::nullopt;
   }
   r.options.engine = r.engine == "nccl" ? fsdp::collectives::BackendKind::kNccl : fsdp::collectives::BackendKind::kGloo;

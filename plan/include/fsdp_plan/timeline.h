@@ -181,7 +181,8 @@ std::string time_json(const StepTime& time);
 
 // The simulated timeline of `time.step` as Chrome trace JSON (the Trace
 // Event Format Perfetto and chrome://tracing open): one row per stream (on
-// a profile whose host computes, the compute row is the host), each op a
+// a profile whose host computes, the compute row is the host; a GPU job's
+// kernels on host tensors, CPU offload's optimizer, have a host row), each op a
 // complete event named for it with its FSDP phase, FLOPs and bytes in args.
 std::string chrome_trace(const StepTime& time);
 
