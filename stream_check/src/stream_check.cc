@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <thread>
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
@@ -37,6 +38,36 @@ using detail::Model;
 constexpr c10::DispatchKey kModeKey = c10::DispatchKey::TESTING_ONLY_GenericMode;
 
 std::atomic<Model*> g_model{nullptr};
+
+// [Note: the model outlives its users on other threads] Tensors made under a
+// Checker may be freed on any thread: Gloo's worker thread drops a finished
+// collective's tensors when its work object dies, which can be while the
+// test's thread destroys the Checker. A free that had loaded the model then
+// locked the mutex of a deleted one, and its rank hung (CI, twice). So the
+// hooks any thread can reach hold a ModelUse while they use the model, and
+// ~Checker, once g_model is null, waits for the uses in progress before it
+// deletes it. Sequentially consistent: a use either sees null or is seen.
+std::atomic<int> g_model_uses{0};
+
+class ModelUse {
+ public:
+  explicit ModelUse(bool wanted = true) {
+    if (!wanted) return;
+    counted_ = true;
+    g_model_uses.fetch_add(1);
+    model_ = g_model.load();
+  }
+  ~ModelUse() {
+    if (counted_) g_model_uses.fetch_sub(1);
+  }
+  ModelUse(const ModelUse&) = delete;
+  ModelUse& operator=(const ModelUse&) = delete;
+  Model* get() const { return model_; }
+
+ private:
+  bool counted_ = false;
+  Model* model_ = nullptr;
+};
 
 thread_local bool t_tracked = false;
 thread_local c10::StreamId t_stream = 0;
@@ -124,7 +155,10 @@ class CheckedCpuGuardImpl final : public c10::impl::DeviceGuardImplInterface {
 c10::DeleterFnPtr g_base_deleter = nullptr;
 
 void checked_free(void* ptr) {
-  if (Model* m = g_model.load(std::memory_order_acquire)) m->on_free(ptr, t_phase);
+  {
+    const ModelUse use;
+    if (Model* m = use.get()) m->on_free(ptr, t_phase);
+  }
   g_base_deleter(ptr);
 }
 
@@ -138,7 +172,8 @@ class CheckedCpuAllocator final : public c10::Allocator {
     TORCH_INTERNAL_ASSERT(inner.get_context() == ptr && inner.get_deleter() == g_base_deleter,
                           "fsdp2cpp stream_check: the CPU allocator's memory is not its own context");
     inner.release_context();
-    if (Model* m = tracked_model()) m->on_alloc(ptr, n, current_agent(), t_phase, t_op, t_host_pinned);
+    const ModelUse use(t_tracked);
+    if (Model* m = use.get()) m->on_alloc(ptr, n, current_agent(), t_phase, t_op, t_host_pinned);
     return {ptr, ptr, &checked_free, kCpu};
   }
   c10::DeleterFnPtr raw_deleter() const override { return &checked_free; }
@@ -413,7 +448,9 @@ Checker::~Checker() {
   t_tracked = false;
   t_stream = 0;
   guard_slot().store(g_original_guard);
-  delete g_model.exchange(nullptr);
+  Model* model = g_model.exchange(nullptr);
+  while (g_model_uses.load() != 0) std::this_thread::yield();
+  delete model;
 }
 
 c10::Stream Checker::new_stream(const std::string& name) {
