@@ -3,6 +3,7 @@
 // distinct kernel of a plan so: timeline.h, measure_cpu_profile).
 #pragma once
 
+#include <functional>
 #include <optional>
 #include <string>
 #include <variant>
@@ -32,7 +33,13 @@ struct KernelCall {
 std::optional<KernelCall> describe_call(const at::RecordFunction& fn);
 
 // Runs `call` on fresh CPU tensors: the median seconds of `reps` runs after
-// one warm-up, or nullopt when the op throws on them.
-std::optional<double> time_call(const KernelCall& call, int reps);
+// one warm-up, or nullopt when the op throws on them. Before each run,
+// `before_run` (default: evict_caches), once the inputs are made.
+std::optional<double> time_call(const KernelCall& call, int reps, const std::function<void()>& before_run = {});
+
+// Writes more than the last-level cache elsewhere, so that what this thread
+// made before is in memory only ([Note: a kernel's inputs come from memory]
+// in kernel_call.cc).
+void evict_caches();
 
 }  // namespace fsdp_plan::detail

@@ -3,22 +3,30 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdio>
+#include <exception>
+#include <mutex>
 #include <set>
 #include <thread>
 #include <unordered_map>
 #include <utility>
 
 #include <ATen/Parallel.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/randn.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
+#include <ATen/ops/silu.h>
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 
+#include "collectives/communicator.h"
+#include "collectives/world.h"
 #include "kernel_call.h"
 
 namespace fsdp_plan {
@@ -257,12 +265,56 @@ std::vector<std::string> device_profile_names() { return {"h100", "h100-hbm2e-50
 
 namespace {
 
-// Every distinct kernel of `ops` (by its call's signature), timed by `ranks`
-// threads at once as the job's ranks would run them side by side (their
-// contention for the cores and the memory is measured, not modelled); rank
-// 0's times are kept. `untimed` counts the kernels left to the roofline.
+// Sets LibTorch's intra-op threads for its life; a thread the profile
+// starts takes the setting with at::init_num_threads() (OpenMP keeps it
+// per thread, and a new one starts with all the cores).
+class IntraOpThreads {
+ public:
+  explicit IntraOpThreads(int threads) : previous_(at::get_num_threads()) { at::set_num_threads(threads); }
+  ~IntraOpThreads() { at::set_num_threads(previous_); }
+  IntraOpThreads(const IntraOpThreads&) = delete;
+  IntraOpThreads& operator=(const IntraOpThreads&) = delete;
+
+ private:
+  const int previous_;
+};
+
+// Threads that wait for each other at every step (std::barrier's
+// arrive_and_wait, which C++17 lacks).
+class StepBarrier {
+ public:
+  explicit StepBarrier(int threads) : threads_(threads) {}
+  void arrive_and_wait() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    const int64_t generation = generation_;
+    if (++arrived_ == threads_) {
+      arrived_ = 0;
+      ++generation_;
+      all_arrived_.notify_all();
+      return;
+    }
+    all_arrived_.wait(lock, [&] { return generation_ != generation; });
+  }
+
+ private:
+  const int threads_;
+  std::mutex mutex_;
+  std::condition_variable all_arrived_;
+  int arrived_ = 0;
+  int64_t generation_ = 0;
+};
+
+// Every distinct kernel of `ops` (by its call's signature), timed by `busy`
+// threads at once, as that many of the job's ranks keep the cores busy
+// side by side (their contention for the memory and the caches is measured,
+// not modelled), and multiplied by `shared`, the ranks' threads per core
+// beyond one: a kernel a few milliseconds long finishes within the
+// scheduler's time slice, so timing more threads than cores would measure
+// it unshared. Rank 0's times are kept. `untimed` counts the kernels left to
+// the roofline.
 std::shared_ptr<std::unordered_map<std::string, double>> time_distinct_kernels(const std::vector<OpRecord>& ops,
-                                                                               int ranks, int64_t& untimed) {
+                                                                               int busy, double shared,
+                                                                               int64_t& untimed) {
   std::vector<const OpRecord*> distinct;
   std::set<std::string> seen;
   for (const OpRecord& op : ops) {
@@ -273,9 +325,20 @@ std::shared_ptr<std::unordered_map<std::string, double>> time_distinct_kernels(c
     }
     if (seen.insert(measured_kernel_key(op)).second) distinct.push_back(&op);
   }
-  std::vector<std::vector<std::optional<double>>> times(static_cast<size_t>(ranks));
+  std::vector<std::vector<std::optional<double>>> times(static_cast<size_t>(busy));
+  // The threads run each kernel in step: all evict the caches, then all run
+  // it (one's eviction during another's timed run would be timed as
+  // contention). Every thread runs the same calls, so all take the same
+  // number of steps, an op that throws included.
+  StepBarrier barrier(busy);
+  const auto in_step = [&] {
+    barrier.arrive_and_wait();
+    detail::evict_caches();
+    barrier.arrive_and_wait();
+  };
   const auto time_all = [&](size_t rank) {
-    for (const OpRecord* op : distinct) times[rank].push_back(detail::time_call(*op->call, /*reps=*/5));
+    at::init_num_threads();
+    for (const OpRecord* op : distinct) times[rank].push_back(detail::time_call(*op->call, /*reps=*/5, in_step));
   };
   {
     std::vector<std::thread> others;
@@ -286,12 +349,169 @@ std::shared_ptr<std::unordered_map<std::string, double>> time_distinct_kernels(c
   auto measured = std::make_shared<std::unordered_map<std::string, double>>();
   for (size_t i = 0; i < distinct.size(); ++i) {
     if (const std::optional<double>& seconds = times[0][i]) {
-      (*measured)[measured_kernel_key(*distinct[i])] = *seconds;
+      (*measured)[measured_kernel_key(*distinct[i])] = *seconds * shared;
     } else {
       ++untimed;
     }
   }
   return measured;
+}
+
+// A training step of a chain of small layers (matmul, bias, SiLU forward;
+// autograd's backward; a plain update of each weight): tensors so small that
+// the step's time is almost all the host's work around the kernels.
+void calibration_step(const std::vector<at::Tensor>& weights, const at::Tensor& input) {
+  at::Tensor h = input;
+  for (const at::Tensor& w : weights) h = at::silu(at::mm(h, w) + 1.0);
+  h.sum().backward();
+  at::NoGradGuard no_grad;
+  for (const at::Tensor& w : weights) {
+    w.sub_(w.grad(), 1e-3);
+    w.mutable_grad().zero_();
+  }
+}
+
+// [Note: the host's cost per kernel on a CPU] A step on a CPU is its kernels
+// and the host's work around each: the dispatcher, autograd's graph (its
+// nodes made in forward, run by its engine in backward), the allocator and
+// the tensors' bookkeeping. Timing a kernel alone (time_call) counts only
+// the first. So the profile runs a calibration step (calibration_step),
+// records its kernels with a dry run of it (the plan's own definition of a
+// kernel), and takes the step's time less its kernels' times, per kernel
+// (a kernel that cannot run again alone counts `untimed_kernel_s`, an op's
+// fixed cost).
+// FSDP's own host work (its hooks, the copy-in's bookkeeping, issuing and
+// waiting for the engine's collectives) is not in it.
+double measure_host_cost_per_kernel(double untimed_kernel_s) {
+  constexpr int kLayers = 16;
+  const auto make_inputs = [] {
+    std::vector<at::Tensor> weights;
+    for (int i = 0; i < kLayers; ++i) weights.push_back(at::randn({8, 8}).requires_grad_(true));
+    return std::make_pair(weights, at::randn({4, 8}));
+  };
+  std::vector<OpRecord> ops;
+  {
+    DryRunOptions options;
+    options.engine = fsdp::collectives::BackendKind::kGloo;
+    DryRun dry(options);
+    const auto [weights, input] = make_inputs();
+    calibration_step(weights, input);
+    dry.begin(StepPhase::kForward);
+    calibration_step(weights, input);
+    for (const OpRecord& op : dry.ops()) {
+      if (op.step == 1 && op.kind == OpRecord::Kind::kKernel) ops.push_back(op);
+    }
+  }
+  TORCH_CHECK(!ops.empty(), "fsdp_plan: the CPU profile's calibration step recorded no kernel");
+  double kernels_s = 0;
+  for (const OpRecord& op : ops) {
+    // Its tensors are tiny and stay in cache in the step as well.
+    const std::optional<double> seconds =
+        op.call ? detail::time_call(*op.call, /*reps=*/5, /*before_run=*/[] {}) : std::nullopt;
+    kernels_s += seconds.value_or(untimed_kernel_s);
+  }
+  const auto [weights, input] = make_inputs();
+  const double step_s = median_seconds(21, [&] { calibration_step(weights, input); });
+  return std::max(0.0, (step_s - kernels_s) / static_cast<double>(ops.size()));
+}
+
+// [Note: Gloo's costs under load] What the engine of a CPU job costs on
+// this machine: Gloo over loopback between `ranks` ranks (threads of this
+// process, as many as the job's ranks on this machine). Between idle ranks
+// a collective of a few bytes takes a few hundred microseconds; in a step it
+// takes more, because the ranks compute between their collectives and reach
+// each at different times, and with more ranks than cores much more: a rank
+// that has reached the collective waits in Gloo while a peer without a
+// core still computes, and the longer the computing between collectives,
+// the longer that wait. So each rank computes a burst of small matmuls
+// before each collective, as a step does, and a collective's cost is what
+// the burst and the collective take together less what the burst takes
+// with the cores shared evenly (`shared` ranks per core). Two burst lengths
+// give the cost's intercept (the latency) and its growth per second of
+// computing before the collective (DeviceProfile::collective_wait_per_compute);
+// a large all-gather gives the bus bandwidth (the ring formula of
+// collective_seconds solved for it); the host's time to issue one is timed
+// apart. Rank 0's medians.
+struct GlooCosts {
+  double issue_s = 0, latency_s = 0, wait_per_compute = 0, bandwidth = 0;
+};
+
+GlooCosts measure_gloo(int ranks, double shared) {
+  constexpr int kReps = 61;
+  constexpr int64_t kLargeElements = int64_t{1} << 18;     // 1 MiB of float32 per rank
+  constexpr double kShortBurst = 1e-3, kLongBurst = 6e-3;  // computing alone before each collective
+  const at::Tensor a = at::randn({64, 64});
+  const auto burst = [&a](int matmuls) {
+    for (int i = 0; i < matmuls; ++i) (void)at::mm(a, a);
+  };
+  const double matmul_s = median_seconds(9, [&] { burst(100); }) / 100;
+  const auto matmuls_for = [&](double seconds) { return std::max(1, static_cast<int>(seconds / matmul_s)); };
+  struct Series {
+    int64_t elements;
+    int matmuls;
+    std::vector<double> costs;  // the cycle less the burst with the cores shared evenly
+  };
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  GlooCosts costs;
+  const auto rank_body = [&](int rank) {
+    at::init_num_threads();
+    fsdp::collectives::RendezvousOptions rendezvous;
+    rendezvous.divergence.strict = false;
+    const auto world = fsdp::collectives::World::from_store(store, rank, ranks, "fsdp_plan's CPU profile", rendezvous);
+    const auto comm = world->new_group(world->all_ranks(), c10::kCPU);
+    std::vector<Series> series = {{2, matmuls_for(kShortBurst), {}},
+                                  {2, matmuls_for(kLongBurst), {}},
+                                  {kLargeElements, matmuls_for(kShortBurst), {}}};
+    std::vector<double> issue;
+    for (Series& s : series) {
+      const at::Tensor input = at::ones({s.elements});
+      const at::Tensor output = at::empty({s.elements * ranks});
+      const double burst_shared_s = shared * s.matmuls * matmul_s;
+      for (int i = 0; i < kReps + 2; ++i) {
+        const auto start = std::chrono::steady_clock::now();
+        burst(s.matmuls);
+        const auto issuing = std::chrono::steady_clock::now();
+        fsdp::collectives::Work work = comm->all_gather_into_tensor(output, input);
+        const double issued = seconds_since(issuing);
+        work.wait();
+        if (i < 2) continue;  // warm-up: connections, buffers
+        s.costs.push_back(seconds_since(start) - burst_shared_s);
+        issue.push_back(issued);
+      }
+    }
+    comm->barrier().wait();
+    if (rank != 0) return;
+    const auto median = [](std::vector<double> v) {
+      std::sort(v.begin(), v.end());
+      return v[v.size() / 2];
+    };
+    const double short_s = series[0].matmuls * matmul_s, long_s = series[1].matmuls * matmul_s;
+    const double short_cost = median(series[0].costs), long_cost = median(series[1].costs);
+    costs.issue_s = median(issue);
+    costs.wait_per_compute = long_s > short_s ? std::max(0.0, (long_cost - short_cost) / (long_s - short_s)) : 0.0;
+    costs.latency_s = std::max(short_cost - costs.wait_per_compute * short_s, costs.issue_s);
+    const double n = ranks;
+    costs.bandwidth = (n - 1) / n * static_cast<double>(kLargeElements * ranks * 4) /
+                      std::max(median(series[2].costs) - short_cost, 1e-6);
+  };
+  // A rank that throws (Gloo cannot connect) makes its peers throw at the
+  // timeout; the first error is rethrown.
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(ranks));
+  const auto guarded = [&](int rank) {
+    try {
+      rank_body(rank);
+    } catch (...) {
+      errors[static_cast<size_t>(rank)] = std::current_exception();
+    }
+  };
+  std::vector<std::thread> others;
+  for (int r = 1; r < ranks; ++r) others.emplace_back(guarded, r);
+  guarded(0);
+  for (std::thread& t : others) t.join();
+  for (const std::exception_ptr& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+  return costs;
 }
 
 // The roofline of this CPU for the kernels that cannot run again: a float32
@@ -324,33 +544,45 @@ void measure_roofline(double oversubscribed, DeviceProfile& p) {
 DeviceProfile measure_cpu_profile(int ranks, int threads, const std::vector<OpRecord>& ops) {
   TORCH_CHECK(ranks >= 1 && threads >= 1, "fsdp_plan: measure_cpu_profile needs ranks >= 1 and threads >= 1 (got ",
               ranks, " and ", threads, ")");
-  const int previous_threads = at::get_num_threads();
-  at::set_num_threads(threads);
+  // Gloo's figures come from as many ranks (threads of this process, each
+  // connected to every other) as the job runs on this machine.
+  TORCH_CHECK(ranks <= 64,
+              "fsdp_plan: a CPU profile measures a job whose ranks all run on this machine, at most 64 "
+              "ranks (got ",
+              ranks, "); plan a larger job on a GPU profile");
+  const IntraOpThreads intra_op(threads);
   DeviceProfile p;
   p.name = "cpu";
   p.host_computes = true;
-  p.host_launch_s = 0;
   const double cores = std::max(1u, std::thread::hardware_concurrency());
-  measure_roofline(std::max(1.0, static_cast<double>(ranks) * threads / cores), p);
+  const double shared = std::max(1.0, static_cast<double>(ranks) * threads / cores);
+  measure_roofline(shared, p);
   int64_t untimed = 0;
-  p.measured_kernels = time_distinct_kernels(ops, ranks, untimed);
-  at::set_num_threads(previous_threads);
-  // Gloo over loopback, as docs/benchmarks.md measured it on this project's
-  // 2-core machine (fsdp_overhead_bench: about 300 us per collective of
-  // nothing at two ranks); its bandwidth is an estimate (loopback TCP with
-  // Gloo's copies, about 2 GB/s).
+  const int busy = std::clamp(static_cast<int>(cores) / threads, 1, ranks);
+  p.measured_kernels = time_distinct_kernels(ops, busy, shared, untimed);
+  p.host_launch_s = measure_host_cost_per_kernel(p.kernel_overhead_s / shared) * shared;
+  // A job of one rank issues no collective.
   p.gpus_per_node = 1 << 20;
-  p.intra_node_bandwidth = 2e9;
-  p.inter_node_bandwidth = 2e9;
-  p.collective_latency_s = 300e-6;
   p.intra_node_hop_s = 0;
   p.inter_node_hop_s = 0;
-  char sources[320];
+  if (ranks > 1) {
+    const GlooCosts gloo = measure_gloo(ranks, std::max(1.0, ranks / cores));
+    p.host_collective_s = gloo.issue_s;
+    p.collective_latency_s = gloo.latency_s;
+    p.collective_wait_per_compute = gloo.wait_per_compute;
+    p.intra_node_bandwidth = p.inter_node_bandwidth = gloo.bandwidth;
+  } else {
+    p.intra_node_bandwidth = p.inter_node_bandwidth = p.memory_bandwidth;
+  }
+  char sources[480];
   std::snprintf(sources, sizeof(sources),
                 "measured now with %d threads for %d ranks on %.0f cores: %zu distinct kernels timed (%lld by the "
-                "roofline: %.1f GFLOP/s, %.1f GB/s, %.1f us per op); Gloo figures from docs/benchmarks.md",
+                "roofline: %.1f GFLOP/s, %.1f GB/s, %.1f us per op), %.1f us of host work per kernel; Gloo: %.0f us "
+                "per collective (%.0f us to issue) and %.2f s per s of computing before it, %.2f GB/s",
                 threads, ranks, cores, p.measured_kernels->size(), static_cast<long long>(untimed),
-                p.peak_flops_fp32 / 1e9, p.memory_bandwidth / 1e9, p.kernel_overhead_s * 1e6);
+                p.peak_flops_fp32 / 1e9, p.memory_bandwidth / 1e9, p.kernel_overhead_s * 1e6, p.host_launch_s * 1e6,
+                p.collective_latency_s * 1e6, p.host_collective_s * 1e6, p.collective_wait_per_compute,
+                p.intra_node_bandwidth / 1e9);
   p.sources = sources;
   return p;
 }
@@ -374,7 +606,7 @@ namespace {
 std::vector<TimedOp> run_timeline(const std::vector<OpRecord>& ops, const DeviceProfile& p) {
   std::vector<TimedOp> out;
   out.reserve(ops.size());
-  std::vector<double> stream_free(kStreamCount, 0.0);
+  std::vector<double> stream_free(kStreamCount, 0.0), stream_end(kStreamCount, 0.0);
   // NCCL runs a communicator's collectives in issue order on its one
   // internal stream, whichever FSDP stream issued them: a prefetched
   // all-gather and a reduce-scatter of the same group of ranks queue behind
@@ -398,6 +630,9 @@ std::vector<TimedOp> run_timeline(const std::vector<OpRecord>& ops, const Device
     return index >= 0 && static_cast<size_t>(index) < out.size() ? out[static_cast<size_t>(index)].end_s : 0.0;
   };
   double copy_out_end = 0, reduce_scatter_end = 0;
+  // On a CPU: the host's computing since it issued its last collective
+  // (DeviceProfile::collective_wait_per_compute).
+  double computed_since_collective = 0;
   for (const OpRecord& op : ops) {
     const bool collective = op.kind == OpRecord::Kind::kCollective;
     // On a CPU the kernels run on the host thread and the engine runs every
@@ -423,19 +658,39 @@ std::vector<TimedOp> run_timeline(const std::vector<OpRecord>& ops, const Device
       if (op.fsdp_phase.rfind("FSDP::reduce_scatter_copy_in", 0) == 0) ready = std::max(ready, reduce_scatter_end);
     }
     TimedOp t{op.name, op.fsdp_phase, op.step, op.step_phase, stream, collective, host, 0, 0, op.flops, op.bytes};
-    const double cost = collective ? collective_seconds(op, p) : kernel_seconds(op, p);
+    // On a CPU the host's own work around a kernel (host_launch_s) delays
+    // the next op as the kernel does.
+    double cost =
+        collective ? collective_seconds(op, p) : kernel_seconds(op, p) + (p.host_computes ? p.host_launch_s : 0.0);
+    // A CPU's collective waits for its peers (the latency and the wait that
+    // grows with the computing before it); the engine moves the next
+    // collective's bytes meanwhile, so the waits of collectives issued back
+    // to back overlap, and only the moving occupies the engine.
+    double waiting = 0;
+    if (p.host_computes) {
+      if (collective) {
+        const double late_peers = p.collective_wait_per_compute * computed_since_collective;
+        cost += late_peers;
+        waiting = std::min(cost, p.collective_latency_s + late_peers);
+        computed_since_collective = 0;
+      } else {
+        computed_since_collective += cost;
+      }
+    }
     if ((p.host_computes && !collective) || on_cpu) {
       t.start_s = std::max(host, ready);
       host = t.start_s + cost;
     } else {
-      host += p.host_launch_s;
+      host += collective && p.host_computes ? p.host_collective_s : p.host_launch_s;
       t.start_s = std::max({host, ready, stream_free[static_cast<size_t>(stream)]});
       double* communicator = collective && op.group ? &communicator_free[op.group.get()] : nullptr;
       if (communicator != nullptr) t.start_s = std::max(t.start_s, *communicator);
-      stream_free[static_cast<size_t>(stream)] = t.start_s + cost;
-      if (communicator != nullptr) *communicator = t.start_s + cost;
+      stream_free[static_cast<size_t>(stream)] = t.start_s + cost - waiting;
+      if (communicator != nullptr) *communicator = t.start_s + cost - waiting;
     }
-    t.end_s = t.start_s + cost;
+    // A stream's ops end in their order.
+    t.end_s = std::max(t.start_s + cost, stream_end[static_cast<size_t>(stream)]);
+    stream_end[static_cast<size_t>(stream)] = t.end_s;
     if (op.fsdp_phase.rfind("FSDP::all_gather_copy_out", 0) == 0) copy_out_end = std::max(copy_out_end, t.end_s);
     if (collective && stream == 3) reduce_scatter_end = t.end_s;
     for (int64_t a : op.reads) accessed_at[a] = std::max(accessed_at[a], t.end_s);

@@ -91,7 +91,7 @@ std::string mib(double bytes) {
 std::string tail(const std::string& text, int lines) {
   size_t pos = text.size();
   for (int i = 0; i <= lines && pos != std::string::npos && pos > 0; ++i) pos = text.rfind('\n', pos - 1);
-  return pos == std::string::npos ? text : text.substr(pos + 1);
+  return pos == std::string::npos || text.empty() ? text : text.substr(pos + 1);
 }
 
 Programs default_programs() {

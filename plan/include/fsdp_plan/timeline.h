@@ -70,8 +70,17 @@ struct DeviceProfile {
   double memory_efficiency = 1;
   double kernel_overhead_s = 0;  // device time of an op beyond its work (launch, tail)
   double host_launch_s = 0;      // host time to issue one op (LibTorch's dispatch and the launch)
-  // The compute runs on the host (a CPU): no separate host stream.
+  // The compute runs on the host (a CPU): no separate host stream, and
+  // host_launch_s is the host's work around each kernel (autograd's, the
+  // allocator's), which delays the next op as the kernel does.
   bool host_computes = false;
+  // On a profile whose host computes: the host's time to issue one
+  // collective to the engine (Gloo's), and the time a collective waits for
+  // its peers per second the host computed since its previous collective
+  // (ranks that share cores reach it late: timeline.cc, [Note: Gloo's costs
+  // under load]).
+  double host_collective_s = 0;
+  double collective_wait_per_compute = 0;
   // Ranks per node, and the links: bus bandwidth per rank in bytes/s as
   // nccl-tests reports it, latency per collective and per ring hop.
   int gpus_per_node = 8;
@@ -101,16 +110,26 @@ std::optional<DeviceProfile> device_profile(const std::string& name);
 std::vector<std::string> device_profile_names();
 
 // This machine's CPU as one rank of `ranks` local ranks sees it, measured
-// now with `threads` intra-op threads: every distinct kernel of `ops` (its
-// op, shapes, strides, dtypes and other arguments) run on CPU tensors by
-// `ranks` threads at once, as the job's ranks would run side by side, the
-// median of a few runs. Kernels that cannot run again (or move more than
-// 256 MiB) take a roofline of a float32 matmul's rate, a copy's bandwidth
-// and an op's fixed cost, measured alone and divided by the
-// oversubscription when ranks * threads exceeds the cores. Gloo over
-// loopback for the links (figures from docs/benchmarks.md, timeline.cc).
-// Must not run while a DryRun is alive (it needs real tensors). Takes about
-// ranks * 6 runs of each distinct kernel.
+// now with `threads` intra-op threads (timeline.cc's notes say why each
+// figure is measured as it is):
+//   - every distinct kernel of `ops` (its op, shapes, strides, dtypes and
+//     other arguments) run on CPU tensors with its inputs in memory, not in
+//     cache, by as many threads in step as the ranks can keep the cores
+//     busy, the median of a few runs, times the ranks' threads per core
+//     beyond one. Kernels that cannot run again (or move more than 256 MiB)
+//     take a roofline of a float32 matmul's rate, a copy's bandwidth and an
+//     op's fixed cost, shared the same way;
+//   - the host's work around each kernel (host_launch_s), from a
+//     calibration step of tiny layers;
+//   - Gloo over loopback between `ranks` threads of this process that
+//     compute between their collectives, as a step does: the time to issue
+//     one, the latency, the wait per second computed before it, the
+//     bandwidth (none for one rank).
+// Must not run while a DryRun is alive (it needs real tensors, and makes a
+// dry run of its calibration step). Takes a few seconds: about 6 runs of
+// each distinct kernel and some 200 collectives. Throws c10::Error for
+// ranks or threads below 1, and for more than 64 ranks (each a thread
+// connected to every other).
 DeviceProfile measure_cpu_profile(int ranks, int threads, const std::vector<OpRecord>& ops = {});
 
 // The key of kernel `op` in DeviceProfile::measured_kernels: its op, its
