@@ -430,13 +430,13 @@ double measure_host_cost_per_kernel(double untimed_kernel_s) {
 // give the cost's intercept (the latency) and its growth per second of
 // computing before the collective (DeviceProfile::collective_wait_per_compute);
 // a large all-gather gives the bus bandwidth (the ring formula of
-// collective_seconds solved for it); the host's time to issue one is timed
-// apart. Rank 0's medians.
+// collective_seconds solved for it, at most `max_bandwidth`); the host's
+// time to issue one is timed apart. Rank 0's medians.
 struct GlooCosts {
   double issue_s = 0, latency_s = 0, wait_per_compute = 0, bandwidth = 0;
 };
 
-GlooCosts measure_gloo(int ranks, double shared) {
+GlooCosts measure_gloo(int ranks, double shared, double max_bandwidth) {
   constexpr int kReps = 61;
   constexpr int64_t kLargeElements = int64_t{1} << 18;     // 1 MiB of float32 per rank
   constexpr double kShortBurst = 1e-3, kLongBurst = 6e-3;  // computing alone before each collective
@@ -491,8 +491,11 @@ GlooCosts measure_gloo(int ranks, double shared) {
     costs.wait_per_compute = long_s > short_s ? std::max(0.0, (long_cost - short_cost) / (long_s - short_s)) : 0.0;
     costs.latency_s = std::max(short_cost - costs.wait_per_compute * short_s, costs.issue_s);
     const double n = ranks;
-    costs.bandwidth = (n - 1) / n * static_cast<double>(kLargeElements * ranks * 4) /
-                      std::max(median(series[2].costs) - short_cost, 1e-6);
+    // Loopback copies each byte at least twice (into the socket and out of
+    // it): a noisy difference of medians cannot make it faster than that.
+    const double moving_s = median(series[2].costs) - short_cost;
+    const double bytes = (n - 1) / n * static_cast<double>(kLargeElements * ranks * 4);
+    costs.bandwidth = moving_s > bytes / max_bandwidth ? bytes / moving_s : max_bandwidth;
   };
   // A rank that throws (Gloo cannot connect) makes its peers throw at the
   // timeout; the first error is rethrown.
@@ -556,6 +559,7 @@ DeviceProfile measure_cpu_profile(int ranks, int threads, const std::vector<OpRe
   p.host_computes = true;
   const double cores = std::max(1u, std::thread::hardware_concurrency());
   const double shared = std::max(1.0, static_cast<double>(ranks) * threads / cores);
+  p.threads_per_core = shared;
   measure_roofline(shared, p);
   int64_t untimed = 0;
   const int busy = std::clamp(static_cast<int>(cores) / threads, 1, ranks);
@@ -566,7 +570,7 @@ DeviceProfile measure_cpu_profile(int ranks, int threads, const std::vector<OpRe
   p.intra_node_hop_s = 0;
   p.inter_node_hop_s = 0;
   if (ranks > 1) {
-    const GlooCosts gloo = measure_gloo(ranks, std::max(1.0, ranks / cores));
+    const GlooCosts gloo = measure_gloo(ranks, std::max(1.0, ranks / cores), p.memory_bandwidth / 2);
     p.host_collective_s = gloo.issue_s;
     p.collective_latency_s = gloo.latency_s;
     p.collective_wait_per_compute = gloo.wait_per_compute;

@@ -356,16 +356,18 @@ TEST(PlanTime, MeasuresThisMachinesCpu) {
   EXPECT_GT(cpu.host_launch_s, 1e-8);
   EXPECT_LT(cpu.host_launch_s, 1e-3);
   EXPECT_EQ(cpu.host_collective_s, 0);  // one rank issues no collective
-  // Two ranks, each with as many threads as there are cores: twice the
-  // threads of the cores, so each rank has half the rate one such rank has
-  // alone; and Gloo's costs measured between the two.
+  EXPECT_EQ(cpu.threads_per_core, 1.0);
+  // Two ranks, each with as many threads as there are cores: two threads
+  // per core, each rank with half the rate (not compared: two measured
+  // rates under a loaded machine's noise); and Gloo's costs measured
+  // between the two.
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  const DeviceProfile alone = measure_cpu_profile(/*ranks=*/1, /*threads=*/cores);
   const DeviceProfile shared = measure_cpu_profile(/*ranks=*/2, /*threads=*/cores);
-  EXPECT_LT(shared.peak_flops_fp32, alone.peak_flops_fp32);
+  EXPECT_EQ(shared.threads_per_core, 2.0);
   EXPECT_GT(shared.host_collective_s, 0);
-  EXPECT_GT(shared.collective_latency_s, shared.host_collective_s);  // issuing is part of a collective's time
-  EXPECT_GT(shared.intra_node_bandwidth, 1e6);                       // loopback moves more than 1 MB/s
+  EXPECT_GE(shared.collective_latency_s, shared.host_collective_s);     // issuing is part of a collective's time
+  EXPECT_GT(shared.intra_node_bandwidth, 1e6);                          // loopback moves more than 1 MB/s
+  EXPECT_LE(shared.intra_node_bandwidth, shared.memory_bandwidth / 2);  // and copies each byte twice
   EXPECT_LT(shared.collective_latency_s, 1.0);
   EXPECT_GE(shared.collective_wait_per_compute, 0);
   EXPECT_LT(shared.collective_wait_per_compute, 100);

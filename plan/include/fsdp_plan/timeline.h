@@ -81,6 +81,9 @@ struct DeviceProfile {
   // under load]).
   double host_collective_s = 0;
   double collective_wait_per_compute = 0;
+  // A measured CPU profile's ranks' threads per core, at least 1: the
+  // factor its rates were divided by (and its times multiplied by).
+  double threads_per_core = 1;
   // Ranks per node, and the links: bus bandwidth per rank in bytes/s as
   // nccl-tests reports it, latency per collective and per ring hop.
   int gpus_per_node = 8;
