@@ -44,7 +44,9 @@ StreamSet::StreamSet(c10::Device device) : device_(device) {
   all_gather_ = impl.getStreamFromGlobalPool(device, /*isHighPriority=*/true);
   reduce_scatter_ = impl.getStreamFromGlobalPool(device, /*isHighPriority=*/true);
   all_reduce_ = impl.getStreamFromGlobalPool(device, /*isHighPriority=*/false);
-  if (stream_check::active()) {
+  // Named for the stream-order checker's reports, and for the planner's dry
+  // run, which tells FSDP's streams apart by these names.
+  if (stream_check::active() || stream_check::meta_streams()) {
     stream_check::name_stream(*all_gather_copy_in_, "all-gather copy-in");
     stream_check::name_stream(*all_gather_, "all-gather");
     stream_check::name_stream(*reduce_scatter_, "reduce-scatter");

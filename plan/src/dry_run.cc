@@ -62,8 +62,8 @@ std::string phase_of(const std::string& label) { return label.substr(0, label.fi
 // and output there), the reduce-scatter's output on the reduce-scatter
 // stream, the HSDP all-reduce's on the all-reduce stream; everything else on
 // the compute (current) stream. Without meta streams (a CPU job's dry run)
-// it places every allocation and op; with them it names each meta stream
-// from its first work (Recorder::stream_now).
+// it places every allocation and op; with them the runtime names its
+// streams (Recorder::stream_now).
 int stream_of(const std::string& phase) {
   if (phase == "FSDP::all_gather_copy_in") return 1;
   if (phase == "FSDP::all_gather") return 2;
@@ -125,7 +125,7 @@ struct DryRun::Recorder {
   std::unordered_map<c10::StreamId, int64_t> last_op_on_stream;
   std::unordered_map<c10::StreamId, std::vector<int64_t>> pending_stream_waits;
   std::vector<int64_t> pending_host_waits;
-  std::unordered_map<c10::StreamId, int> stream_roles;  // meta stream -> its FSDP stream (stream_of)
+  std::unordered_map<c10::StreamId, int> stream_roles;  // meta stream -> its FSDP stream (stream_of), by its name
   // cuBLAS's workspaces made so far, by handle (true: autograd's device
   // thread, which runs backward) and stream; 0 bytes when none are modelled.
   int64_t blas_workspace_bytes = 0;
@@ -139,9 +139,10 @@ struct DryRun::Recorder {
   // The index of the allocation behind `t`, or -1 when it is not one of ours.
   int64_t allocation_of(const at::Tensor& t) const;
   // The FSDP stream (stream_of's numbering) that work issued now runs on:
-  // with meta streams, the one the calling thread's current stream plays,
-  // known from the phase of its first work (the default stream is the
-  // compute stream); without, the one FSDP2 uses for `phase_label`'s phase.
+  // with meta streams, the one the calling thread's current stream is, by
+  // the name the runtime gave it (stream_roles; the default stream and the
+  // program's own streams are compute streams); without, the one FSDP2 uses
+  // for `phase_label`'s phase.
   int stream_now(const std::string& phase_label);
   // Records an allocation of `bytes` on FSDP stream `stream` (stream_of's
   // numbering), or in host memory, made now; returns its index.
@@ -527,13 +528,9 @@ int64_t DryRun::Recorder::allocation_of(const at::Tensor& t) const {
 }
 
 int DryRun::Recorder::stream_now(const std::string& phase_label) {
-  const int by_phase = stream_of(phase_of(phase_label));
-  if (!streams) return by_phase;
-  const c10::StreamId stream = detail::current_meta_stream();
-  if (stream == 0) return 0;
-  if (auto it = stream_roles.find(stream); it != stream_roles.end()) return it->second;
-  if (by_phase != 0) stream_roles.emplace(stream, by_phase);
-  return by_phase;
+  if (!streams) return stream_of(phase_of(phase_label));
+  const auto it = stream_roles.find(detail::current_meta_stream());
+  return it != stream_roles.end() ? it->second : 0;
 }
 
 int64_t DryRun::Recorder::record_allocation(int64_t bytes, int stream, detail::Placement placement) {
@@ -629,6 +626,14 @@ class RecorderStreamListener final : public detail::MetaStreamListener {
   void host_waits_for_all() override {
     std::lock_guard<std::mutex> lock(g_mutex);
     for (const auto& [stream, op] : r_->last_op_on_stream) r_->pending_host_waits.push_back(op);
+  }
+  void stream_named(c10::StreamId stream, const std::string& name) override {
+    static const std::unordered_map<std::string, int> roles = {
+        {"all-gather copy-in", 1}, {"all-gather", 2}, {"reduce-scatter", 3}, {"all-reduce", 4}};
+    if (auto it = roles.find(name); it != roles.end()) {
+      std::lock_guard<std::mutex> lock(g_mutex);
+      r_->stream_roles[stream] = it->second;
+    }
   }
 
  private:

@@ -1,6 +1,7 @@
 #include "meta_streams.h"
 
 #include <atomic>
+#include <string>
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
@@ -79,6 +80,10 @@ class MetaStreamGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   }
 };
 
+void name_meta_stream(c10::StreamId stream, const std::string& name) {
+  if (MetaStreamListener* l = g_listener.load(std::memory_order_acquire)) l->stream_named(stream, name);
+}
+
 auto& guard_slot() { return c10::impl::device_guard_impl_registry[static_cast<size_t>(c10::kMeta)]; }
 
 const c10::impl::DeviceGuardImplInterface* g_original_guard = nullptr;
@@ -94,11 +99,13 @@ MetaStreams::MetaStreams(MetaStreamListener* listener) {
   g_original_guard = guard_slot().load();
   guard_slot().store(impl);
   t_stream = 0;
+  fsdp::stream_check::set_meta_stream_namer(&name_meta_stream);
   fsdp::stream_check::set_meta_streams(true);
 }
 
 MetaStreams::~MetaStreams() {
   fsdp::stream_check::set_meta_streams(false);
+  fsdp::stream_check::set_meta_stream_namer(nullptr);
   guard_slot().store(g_original_guard);
   t_stream = 0;
   g_listener.store(nullptr, std::memory_order_release);

@@ -4,7 +4,8 @@
 // runtime's StreamSet is enabled there, stream_check::meta_streams()), and
 // what they order is reported to a MetaStreamListener: which op an event
 // stands for (the last op issued on its stream when it was recorded), which
-// stream waits for it, and when the host does. Nothing runs behind the host,
+// stream waits for it, and when the host does; and the names the runtime
+// gives its streams. Nothing runs behind the host,
 // so every query and synchronization completes at once.
 //
 // Not modelled: record_stream (a buffer that another stream used is reusable
@@ -16,6 +17,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include <c10/core/Stream.h>
 
@@ -34,6 +36,9 @@ class MetaStreamListener {
   virtual void host_waits(int64_t op) = 0;
   // The host waits for every stream (a device synchronize).
   virtual void host_waits_for_all() = 0;
+  // The runtime named `stream` (fsdp::stream_check::name_stream: "all-gather
+  // copy-in", "all-gather", "reduce-scatter", "all-reduce").
+  virtual void stream_named(c10::StreamId stream, const std::string& name) = 0;
 };
 
 // Gives the meta device streams and events reporting to `listener` for its

@@ -474,11 +474,14 @@ bool active() { return g_model.load(std::memory_order_acquire) != nullptr; }
 
 namespace {
 std::atomic<bool> g_meta_streams{false};
+std::atomic<MetaStreamNamer> g_meta_stream_namer{nullptr};
 }  // namespace
 
 bool meta_streams() { return g_meta_streams.load(std::memory_order_acquire); }
 
 void set_meta_streams(bool modelled) { g_meta_streams.store(modelled, std::memory_order_release); }
+
+void set_meta_stream_namer(MetaStreamNamer namer) { g_meta_stream_namer.store(namer, std::memory_order_release); }
 
 bool models_nccl() {
   const Model* m = g_model.load(std::memory_order_acquire);
@@ -504,6 +507,10 @@ void name_buffer(const at::Tensor& t, std::string name) {
 }
 
 void name_stream(const c10::Stream& stream, std::string name) {
+  if (stream.device_type() == c10::kMeta) {
+    if (MetaStreamNamer namer = g_meta_stream_namer.load(std::memory_order_acquire)) namer(stream.id(), name);
+    return;
+  }
   Model* m = g_model.load(std::memory_order_acquire);
   if (m != nullptr && stream.device_type() == c10::kCPU) m->name_stream(stream_id(stream), std::move(name));
 }

@@ -167,6 +167,12 @@ bool active();
 // the code that installs those streams. Cheap (one atomic load).
 bool meta_streams();
 void set_meta_streams(bool modelled);
+// While meta streams are modelled, what name_stream hands a meta stream's
+// name to (the planner's, so that it knows each FSDP stream by what the
+// runtime made it for); null: nothing. Set only by the code that installs
+// those streams.
+using MetaStreamNamer = void (*)(c10::StreamId stream, const std::string& name);
+void set_meta_stream_namer(MetaStreamNamer namer);
 
 // Whether a live Checker models NCCL's semantics for CPU communicators
 // (Options::collectives == CollectiveModel::kNccl).
@@ -213,7 +219,9 @@ void track_this_thread();
 // active() to keep the runtime's hot path free of string work.
 void name_buffer(const at::Tensor& t, std::string name);
 
-// Names a stream in reports ("all-gather copy-in"). No-op when inactive.
+// Names a stream in reports ("all-gather copy-in"): a CPU stream of the live
+// Checker, or a meta stream of the planner's dry run (set_meta_stream_namer).
+// No-op otherwise.
 void name_stream(const c10::Stream& stream, std::string name);
 
 // The logical stream on which the collectives of `communicator` run (NCCL's
