@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -14,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "fsdp_plan/timeline.h"
+#include "kernel_call.h"
 #include "trainer_plan.h"
 
 namespace fsdp_plan::test {
@@ -373,6 +375,25 @@ TEST(PlanTime, MeasuresThisMachinesCpu) {
   EXPECT_LT(shared.collective_wait_per_compute, 100);
   EXPECT_THAT([] { measure_cpu_profile(/*ranks=*/65, /*threads=*/1); },
               ::testing::ThrowsMessage<c10::Error>(HasSubstr("at most 64 ranks")));
+}
+
+// The CPU profile replays a kernel from its description: every run gets
+// fresh inputs, and the hook before each timed run (the cache eviction by
+// default) runs once per run, the warm-up included; an op that does not
+// exist gives no time.
+TEST(PlanTime, AKernelCallRunsAgainWithTheHookBeforeEachRun) {
+  detail::KernelCall call;
+  call.op = c10::OperatorName("aten::sqrt", "");
+  call.arguments.emplace_back(detail::TensorSpec{{64, 64}, {64, 1}, c10::kFloat});
+  int hooks = 0;
+  const std::optional<double> seconds = detail::time_call(call, /*reps=*/3, [&] { ++hooks; });
+  ASSERT_TRUE(seconds.has_value());
+  EXPECT_GT(*seconds, 0);
+  EXPECT_EQ(hooks, 4);
+  EXPECT_TRUE(detail::time_call(call, /*reps=*/1).has_value());  // with the eviction
+  call.op = c10::OperatorName("aten::no_such_op", "");
+  EXPECT_FALSE(detail::time_call(call, /*reps=*/1, [&] { ++hooks; }).has_value());
+  EXPECT_EQ(hooks, 4);
 }
 
 // The CPU profile times the plan's own kernels (each distinct call run again
