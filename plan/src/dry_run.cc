@@ -627,6 +627,8 @@ class RecorderStreamListener final : public detail::MetaStreamListener {
     std::lock_guard<std::mutex> lock(g_mutex);
     for (const auto& [stream, op] : r_->last_op_on_stream) r_->pending_host_waits.push_back(op);
   }
+  // The names fsdp2's StreamSet gives its streams (fsdp2/src/streams.cc);
+  // PlanDryRun's stream test fails when the two disagree.
   void stream_named(c10::StreamId stream, const std::string& name) override {
     static const std::unordered_map<std::string, int> roles = {
         {"all-gather copy-in", 1}, {"all-gather", 2}, {"reduce-scatter", 3}, {"all-reduce", 4}};

@@ -72,6 +72,8 @@ size_t last_level_cache_bytes() {
   return l3 > 0 ? static_cast<size_t>(l3) : size_t{32} << 20;
 }
 
+}  // namespace
+
 // [Note: a kernel's inputs come from memory] A training step's tensors
 // outgrow the caches (and a virtual machine shares its last-level cache
 // with its neighbours): backward reads what forward saved long before, the
@@ -82,8 +84,6 @@ size_t last_level_cache_bytes() {
 // three times, the trainer's forward matmuls a third). So before each timed
 // run the thread writes one and a half times the last-level cache's size
 // elsewhere, which leaves the inputs in memory only.
-}  // namespace
-
 void evict_caches() {
   static const size_t bytes = std::min(last_level_cache_bytes() * 3 / 2, size_t{256} << 20);
   thread_local std::vector<char> elsewhere(bytes);

@@ -426,7 +426,7 @@ double measure_host_cost_per_kernel(double untimed_kernel_s) {
 // the longer that wait. So each rank computes a burst of small matmuls
 // before each collective, as a step does, and a collective's cost is what
 // the burst and the collective take together less what the burst takes
-// with the cores shared evenly (`shared` ranks per core). Two burst lengths
+// with the cores shared evenly (`shared` threads per core). Two burst lengths
 // give the cost's intercept (the latency) and its growth per second of
 // computing before the collective (DeviceProfile::collective_wait_per_compute);
 // a large all-gather gives the bus bandwidth (the ring formula of
@@ -440,6 +440,8 @@ GlooCosts measure_gloo(int ranks, double shared, double max_bandwidth) {
   constexpr int kReps = 61;
   constexpr int64_t kLargeElements = int64_t{1} << 18;     // 1 MiB of float32 per rank
   constexpr double kShortBurst = 1e-3, kLongBurst = 6e-3;  // computing alone before each collective
+  // Each rank computes with the job's intra-op threads (at::init_num_threads
+  // below), as its kernels do; `shared` counts those threads per core.
   const at::Tensor a = at::randn({64, 64});
   const auto burst = [&a](int matmuls) {
     for (int i = 0; i < matmuls; ++i) (void)at::mm(a, a);
@@ -570,7 +572,7 @@ DeviceProfile measure_cpu_profile(int ranks, int threads, const std::vector<OpRe
   p.intra_node_hop_s = 0;
   p.inter_node_hop_s = 0;
   if (ranks > 1) {
-    const GlooCosts gloo = measure_gloo(ranks, std::max(1.0, ranks / cores), p.memory_bandwidth / 2);
+    const GlooCosts gloo = measure_gloo(ranks, shared, p.memory_bandwidth / 2);
     p.host_collective_s = gloo.issue_s;
     p.collective_latency_s = gloo.latency_s;
     p.collective_wait_per_compute = gloo.wait_per_compute;
