@@ -61,6 +61,26 @@ std::terminate_handler g_previous_terminate = nullptr;
   std::abort();
 }
 
+// The monitors whose watchdog runs, for the handler that stops them when the
+// process exits ([Note: the divergence watchdog at exit]). Never destroyed:
+// the handler runs while statics are being destroyed.
+std::mutex& live_monitors_mutex() {
+  static auto* mutex = new std::mutex;
+  return *mutex;
+}
+std::vector<DivergenceMonitor*>& live_monitors() {
+  static auto* monitors = new std::vector<DivergenceMonitor*>;
+  return *monitors;
+}
+
+void stop_live_monitors_at_exit() {
+  // Held throughout, so that a monitor destroyed meanwhile by another thread
+  // waits until this handler has stopped it.
+  std::lock_guard<std::mutex> lock(live_monitors_mutex());
+  for (DivergenceMonitor* monitor : live_monitors()) monitor->stop_watchdog();
+  live_monitors().clear();
+}
+
 void install_terminate_handler_once() {
   static std::once_flag once;
   std::call_once(once, [] { g_previous_terminate = std::set_terminate(&diagnose_then_terminate); });
@@ -81,8 +101,13 @@ DivergenceMonitor::DivergenceMonitor(const c10::intrusive_ptr<c10d::Store>& stor
       store_(store) {
   if (options_.timeout.count() > 0 && world_size_ > 1) {
     watchdog_ = std::thread([this] { watch(); });
+    watching_ = true;
     install_terminate_handler_once();
     g_terminate_monitor.store(this);
+    std::lock_guard<std::mutex> lock(live_monitors_mutex());
+    static const bool exit_handler_installed = std::atexit(&stop_live_monitors_at_exit) == 0;
+    (void)exit_handler_installed;
+    live_monitors().push_back(this);
   }
 }
 
@@ -90,13 +115,26 @@ DivergenceMonitor::~DivergenceMonitor() {
   DivergenceMonitor* self = this;
   g_terminate_monitor.compare_exchange_strong(self, nullptr);
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    stop_ = true;
+    // Waits for the exit handler, when it is stopping this monitor.
+    std::lock_guard<std::mutex> lock(live_monitors_mutex());
+    auto& live = live_monitors();
+    live.erase(std::remove(live.begin(), live.end(), this), live.end());
   }
-  wake_.notify_all();
-  if (!watchdog_.joinable()) return;
-  watchdog_.join();
-  say_stopped();
+  stop_watchdog();
+}
+
+void DivergenceMonitor::stop_watchdog() {
+  std::call_once(stopped_, [this] {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    if (!watchdog_.joinable()) return;
+    watching_ = false;
+    watchdog_.join();
+    say_stopped();
+  });
 }
 
 // [Note: the divergence watchdog at exit]
@@ -107,6 +145,14 @@ DivergenceMonitor::~DivergenceMonitor() {
 // So each rank counts itself out once its watchdog has stopped, and rank 0
 // keeps the store up until every rank has (at most kStopWindow: a rank that
 // crashed or was stopped never counts itself out).
+// A World is often never destroyed: the FSDP states of a program's modules
+// keep their mesh's World until the process ends (LibTorch modules have no
+// slot of their own for them, [Note: the module side table]), and so did
+// fsdp_train's, which printed the failed receives in 6 runs of 10 at 4 ranks
+// on a loaded machine. So the watchdogs still running when the process
+// exits normally (std::exit, or main's return) are stopped, and counted
+// out, by a handler std::atexit runs; it was installed after the store
+// existed, so it runs before the store's statics are destroyed.
 void DivergenceMonitor::say_stopped() {
   try {
     store_->add(kStoppedKey, 1);

@@ -34,7 +34,8 @@ class DivergenceMonitor {
   // Stops and joins the watchdog, then tells the other ranks so; the rank
   // that hosts the store (rank 0) waits a few seconds for every other rank's
   // watchdog to stop, so that none of them polls a store that is gone
-  // ([Note: the divergence watchdog at exit]).
+  // ([Note: the divergence watchdog at exit]). A monitor still alive when
+  // the process exits normally is stopped the same way then.
   ~DivergenceMonitor();
   DivergenceMonitor(const DivergenceMonitor&) = delete;
   DivergenceMonitor& operator=(const DivergenceMonitor&) = delete;
@@ -78,8 +79,15 @@ class DivergenceMonitor {
   // collectives]).
   void watch_in_flight(c10::intrusive_ptr<c10d::Work> work, int64_t record_id,
                        std::chrono::steady_clock::time_point since);
-  // Whether a watchdog thread runs (a timeout and other ranks).
-  bool watching() const { return watchdog_.joinable(); }
+  // Whether a watchdog thread runs (a timeout and other ranks, and not
+  // stopped yet).
+  bool watching() const { return watching_.load(std::memory_order_acquire); }
+  // Stops and joins the watchdog, then tells the other ranks so (rank 0
+  // waits for theirs, as the destructor says). Idempotent and thread-safe:
+  // called by the destructor, and by the handler that stops the watchdogs
+  // of the Worlds still alive when the process exits ([Note: the divergence
+  // watchdog at exit]).
+  void stop_watchdog();
 
  private:
   void watch();
@@ -128,6 +136,8 @@ class DivergenceMonitor {
   std::vector<InFlight> in_flight_;
 
   std::thread watchdog_;
+  std::atomic<bool> watching_{false};
+  std::once_flag stopped_;
 };
 
 }  // namespace fsdp::collectives::detail
