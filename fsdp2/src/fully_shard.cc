@@ -525,6 +525,8 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
   return detail::shard_modules(modules, options);
 }
 
+void release_fsdp_state_of_destroyed_modules() { detail::release_states_of_destroyed_modules(); }
+
 std::optional<FSDPModule> fsdp_module_of(const torch::nn::Module& module) {
   auto state = detail::state_of(module);
   if (!state) return std::nullopt;

@@ -16,8 +16,10 @@ namespace {
 // __dict__), and adding a child module would change named_modules() and
 // serialization. So hooks and states live in this process-wide table, keyed
 // by module address and validated with a weak reference, so that a new
-// module at a dead module's address never inherits its entry. Entries of
-// destroyed modules are dropped on the next registration.
+// module at a dead module's address never inherits its entry. A module
+// cannot say it was destroyed, so the entries of destroyed modules are
+// dropped on the next registration, or by
+// release_states_of_destroyed_modules().
 struct Entry {
   std::weak_ptr<torch::nn::Module> module;
   std::shared_ptr<const detail::ModuleHooks> hooks;  // copy-on-write
@@ -37,8 +39,11 @@ class Registry {
 
   template <typename F>
   auto with_entry(torch::nn::Module& module, F&& f) {
+    // Destroyed after the lock is released: a state's destructor may block
+    // (a World's waits for its peers at the end) or call back in here.
+    std::vector<Entry> dead;
     std::lock_guard<std::mutex> lock(mutex_);
-    sweep();
+    dead = sweep();
     Entry& e = entries_[&module];
     if (e.module.expired()) {
       std::weak_ptr<torch::nn::Module> weak;
@@ -87,11 +92,26 @@ class Registry {
 
   HookId next_id() { return ++next_id_; }
 
+  void release_destroyed() {
+    std::vector<Entry> dead;
+    std::lock_guard<std::mutex> lock(mutex_);
+    dead = sweep();
+  }
+
  private:
-  void sweep() {
+  // Moves the entries of destroyed modules out of the table: the caller
+  // destroys them once it no longer holds the lock.
+  std::vector<Entry> sweep() {
+    std::vector<Entry> dead;
     for (auto it = entries_.begin(); it != entries_.end();) {
-      it = it->second.module.expired() ? entries_.erase(it) : std::next(it);
+      if (it->second.module.expired()) {
+        dead.push_back(std::move(it->second));
+        it = entries_.erase(it);
+      } else {
+        ++it;
+      }
     }
+    return dead;
   }
 
   std::mutex mutex_;
@@ -238,6 +258,8 @@ std::shared_ptr<void> module_state(const torch::nn::Module& module, const std::s
 std::vector<std::shared_ptr<void>> module_states(const std::string& key) {
   return Registry::instance().states_with_key(key);
 }
+
+void release_states_of_destroyed_modules() { Registry::instance().release_destroyed(); }
 
 }  // namespace detail
 }  // namespace fsdp

@@ -575,5 +575,41 @@ TEST(ReshardAfterForwardToSmallerWorld, BackwardRegathersWithinTheKRankGroup) {
   });
 }
 
+// A LibTorch module cannot say it was destroyed, so what fully_shard attached
+// to it (its sharded parameters and their gradients, held by its state)
+// outlives it until release_fsdp_state_of_destroyed_modules() or the next
+// fully_shard. Before that function existed a program could not get that
+// memory back, nor destroy its World (fsdp_train's ranks never did).
+TEST(StateLifetime, ADestroyedModelsShardsAndGradientsAreReleasedOnRequest) {
+  testing::run_distributed(2, [](testing::RankContext& ctx) {
+    std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> storages;
+    {
+      auto model = seeded_chain(2);
+      for (auto& b : model->blocks) fully_shard(b, mesh_options(ctx));
+      fully_shard(model, mesh_options(ctx));
+      call_module(*model, at::randn({4, Chain::kDim})).sum().backward();
+      for (const at::Tensor& p : model->parameters()) {
+        ASSERT_TRUE(p.grad().defined());
+        storages.push_back(p.storage().getWeakStorageImpl());
+        storages.push_back(p.grad().storage().getWeakStorageImpl());
+      }
+    }
+    ASSERT_FALSE(storages.empty());
+    int64_t alive = 0;
+    for (const auto& s : storages) alive += s.expired() ? 0 : 1;
+    EXPECT_EQ(alive, static_cast<int64_t>(storages.size())) << "the destroyed model's state holds them";
+    release_fsdp_state_of_destroyed_modules();
+    for (size_t i = 0; i < storages.size(); ++i) {
+      EXPECT_TRUE(storages[i].expired()) << (i % 2 == 0 ? "parameter " : "gradient ") << i / 2 << " is still alive";
+    }
+    // Nothing else died: a live model keeps its state.
+    auto live = seeded_chain(1);
+    fully_shard(live, mesh_options(ctx));
+    release_fsdp_state_of_destroyed_modules();
+    EXPECT_TRUE(fsdp_module_of(*live).has_value());
+    call_module(*live, at::randn({4, Chain::kDim})).sum().backward();
+  });
+}
+
 }  // namespace
 }  // namespace fsdp::test

@@ -33,6 +33,7 @@
 #include "command_line.h"
 #include "config.h"
 #include "data.h"
+#include "fsdp2/fully_shard.h"
 #include "launch/launch.h"
 #include "model_flags.h"
 #include "profile.h"
@@ -216,6 +217,9 @@ int main(int argc, char** argv) {
     } else {
       fsdp_train::run_training(config, world);
     }
+    // The model is gone; its FSDP states, and their hold on the World, go
+    // now, so that the World is destroyed here and not left to exit.
+    fsdp::release_fsdp_state_of_destroyed_modules();
     return 0;
   } catch (const c10::Error& e) {
     return fail(who + "error: " + e.what_without_backtrace(), 1);

@@ -549,4 +549,17 @@ void share_comm_ctx(const std::vector<FSDPModule>& modules);
 // applied to it.
 std::optional<FSDPModule> fsdp_module_of(const torch::nn::Module& module);
 
+// Releases what fully_shard attached to modules that have been destroyed
+// since: their FSDP state, with the sharded parameters and their gradients,
+// the buffers and communicators, and the hold on the mesh (and so on its
+// World, whose destructor then waits for the other ranks' watchdogs). A
+// LibTorch module cannot say it was destroyed, so this happens otherwise at
+// the next fully_shard (or hook registration) in the process, or never:
+// call it after dropping a model whose memory is needed back, or before
+// destroying the World it ran on. Thread-safe; does nothing when no module
+// died. A World released here is destroyed as its destructor says (on rank
+// 0 it waits, a few seconds at most, for the other ranks to release theirs),
+// so a program calls it on every rank.
+void release_fsdp_state_of_destroyed_modules();
+
 }  // namespace fsdp

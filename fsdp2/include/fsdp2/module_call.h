@@ -42,7 +42,9 @@
 // Modules without hooks are called directly, at the cost of one table lookup.
 // Hooks are process-wide per module object, registered with
 // register_forward_pre_hook / register_forward_hook, and live until removed
-// or until the module is destroyed.
+// or until the module is destroyed (released at the next registration after
+// that, or by fsdp::release_fsdp_state_of_destroyed_modules(): a C++ module
+// cannot say it was destroyed).
 #pragma once
 
 #include <cstdint>

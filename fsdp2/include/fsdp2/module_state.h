@@ -2,7 +2,8 @@
 //
 // LibTorch modules have no slot for a runtime's per-module state (Python keeps
 // it in the module's __dict__); fully_shard keeps its FSDPState here. The
-// state lives as long as the module (see module_call.h).
+// state lives as long as the module, and at most until the next registration
+// or release_states_of_destroyed_modules() after it (see module_call.h).
 #pragma once
 
 #include <memory>
@@ -20,5 +21,8 @@ void set_module_state(torch::nn::Module& module, const std::string& key, std::sh
 std::shared_ptr<void> module_state(const torch::nn::Module& module, const std::string& key);
 // Every state attached under `key` to a live module.
 std::vector<std::shared_ptr<void>> module_states(const std::string& key);
+// Drops the hooks and states of modules destroyed since the last
+// registration (fsdp::release_fsdp_state_of_destroyed_modules says why).
+void release_states_of_destroyed_modules();
 
 }  // namespace fsdp::detail
