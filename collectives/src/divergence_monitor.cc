@@ -1,6 +1,7 @@
 #include "divergence_monitor.h"
 
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -73,7 +74,13 @@ std::vector<DivergenceMonitor*>& live_monitors() {
   return *monitors;
 }
 
+// The process that installed the exit handler: a child forked from it (a
+// data loader's worker, say) inherits the handler but neither the watchdog
+// threads nor, maybe, an unlocked mutex, and must not touch them at its exit.
+std::atomic<pid_t> g_exit_handler_pid{0};
+
 void stop_live_monitors_at_exit() {
+  if (::getpid() != g_exit_handler_pid.load()) return;
   // Held throughout, so that a monitor destroyed meanwhile by another thread
   // waits until this handler has stopped it.
   std::lock_guard<std::mutex> lock(live_monitors_mutex());
@@ -105,7 +112,10 @@ DivergenceMonitor::DivergenceMonitor(const c10::intrusive_ptr<c10d::Store>& stor
     install_terminate_handler_once();
     g_terminate_monitor.store(this);
     std::lock_guard<std::mutex> lock(live_monitors_mutex());
-    static const bool exit_handler_installed = std::atexit(&stop_live_monitors_at_exit) == 0;
+    static const bool exit_handler_installed = [] {
+      g_exit_handler_pid = ::getpid();
+      return std::atexit(&stop_live_monitors_at_exit) == 0;
+    }();
     (void)exit_handler_installed;
     live_monitors().push_back(this);
   }

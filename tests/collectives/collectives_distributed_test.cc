@@ -3,7 +3,9 @@
 // env:// and file:// rendezvous across processes, a rank that never joins and
 // a rank that dies in the middle of a collective.
 #include <netinet/in.h>
+#include <signal.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -234,6 +236,43 @@ TEST(RendezvousTest, RanksWhoseWorldsLiveUntilExitExitQuietly) {
     EXPECT_THAT(o.output, Not(HasSubstr("recvValue failed"))) << o.output;
     EXPECT_THAT(o.output, Not(HasSubstr("Connection was likely closed"))) << o.output;
   }
+}
+
+// A child forked by a rank whose world is alive (a data loader's worker,
+// say) inherits the exit handler that stops the watchdogs, but not their
+// threads: at its own exit it must leave them alone. Without the handler's
+// check of the process, each child counted itself out in the store as if
+// its rank's watchdog had stopped.
+TEST(RendezvousTest, AChildForkedFromARankExitsWithoutTouchingItsWatchdog) {
+  fsdp::testing::run_distributed(2, [](RankContext& ctx) {
+    const auto& store = ctx.world()->store();
+    if (ctx.rank() == 0) store_set(store, "fork_test/port", std::to_string(free_port()));
+    const std::string port = store_get(store, "fork_test/port");
+    setenv("MASTER_ADDR", "127.0.0.1", 1);
+    setenv("MASTER_PORT", port.c_str(), 1);
+    setenv("RANK", std::to_string(ctx.rank()).c_str(), 1);
+    setenv("WORLD_SIZE", "2", 1);
+    static auto* const kept = new std::shared_ptr<World>(World::from_env());
+    (*kept)->new_group((*kept)->all_ranks(), c10::kCPU)->barrier().wait();
+    std::fflush(stdout);
+    std::fflush(stderr);
+    const pid_t child = ::fork();
+    if (child == 0) std::exit(7);
+    ASSERT_GT(child, 0);
+    int status = 0;
+    pid_t done = 0;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while ((done = ::waitpid(child, &status, WNOHANG)) == 0 && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    if (done == 0) ::kill(child, SIGKILL);
+    ASSERT_EQ(done, child) << "the forked child did not exit within 20 s";
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 7) << "status " << status;
+    // No watchdog has stopped yet: a child that counted itself out would let
+    // rank 0 leave (and take the store) before the ranks still running.
+    (*kept)->new_group((*kept)->all_ranks(), c10::kCPU)->barrier().wait();
+    EXPECT_EQ((*kept)->store()->add("fsdp2cpp/divergence/stopped", 0), 0);
+  });
 }
 
 TEST(RendezvousTest, RanksThatJoinedNameTheRankThatNeverCame) {
