@@ -134,17 +134,25 @@ INSTANTIATE_TEST_SUITE_P(WorldSizes, CollectivesTest, ::testing::Values(1, 2, 3,
 
 // ---- rendezvous across processes ------------------------------------------------
 
+// Sets torchrun's variables for this rank, with a free port that rank 0 picks
+// and shares through the harness's store under `port_key`; returns the port.
+std::string set_torchrun_env(RankContext& ctx, const std::string& port_key) {
+  const auto& store = ctx.world()->store();
+  if (ctx.rank() == 0) store_set(store, port_key, std::to_string(free_port()));
+  const std::string port = store_get(store, port_key);
+  const std::string rank = std::to_string(ctx.rank()), size = std::to_string(ctx.world_size());
+  setenv("MASTER_ADDR", "127.0.0.1", 1);
+  setenv("MASTER_PORT", port.c_str(), 1);
+  setenv("RANK", rank.c_str(), 1);
+  setenv("WORLD_SIZE", size.c_str(), 1);
+  setenv("LOCAL_RANK", rank.c_str(), 1);
+  setenv("LOCAL_WORLD_SIZE", size.c_str(), 1);
+  return port;
+}
+
 TEST(RendezvousTest, EnvRendezvousAcrossProcesses) {
   fsdp::testing::run_distributed(3, [](RankContext& ctx) {
-    const auto& store = ctx.world()->store();
-    if (ctx.rank() == 0) store_set(store, "env_test/port", std::to_string(free_port()));
-    const std::string port = store_get(store, "env_test/port");
-    setenv("MASTER_ADDR", "127.0.0.1", 1);
-    setenv("MASTER_PORT", port.c_str(), 1);
-    setenv("RANK", std::to_string(ctx.rank()).c_str(), 1);
-    setenv("WORLD_SIZE", "3", 1);
-    setenv("LOCAL_RANK", std::to_string(ctx.rank()).c_str(), 1);
-    setenv("LOCAL_WORLD_SIZE", "3", 1);
+    const std::string port = set_torchrun_env(ctx, "env_test/port");
     auto world = World::from_env();
     EXPECT_EQ(world->rank(), ctx.rank());
     EXPECT_EQ(world->size(), 3);
@@ -169,14 +177,7 @@ TEST(RendezvousTest, RanksThatOutliveTheStoresHostExitQuietly) {
   options.world_size = 4;
   const auto outcomes = fsdp::testing::run_distributed_collect(options, [](RankContext& ctx) {
     const auto& store = ctx.world()->store();
-    if (ctx.rank() == 0) store_set(store, "exit_test/port", std::to_string(free_port()));
-    const std::string port = store_get(store, "exit_test/port");
-    setenv("MASTER_ADDR", "127.0.0.1", 1);
-    setenv("MASTER_PORT", port.c_str(), 1);
-    setenv("RANK", std::to_string(ctx.rank()).c_str(), 1);
-    setenv("WORLD_SIZE", "4", 1);
-    setenv("LOCAL_RANK", std::to_string(ctx.rank()).c_str(), 1);
-    setenv("LOCAL_WORLD_SIZE", "4", 1);
+    set_torchrun_env(ctx, "exit_test/port");
     auto world = World::from_env();
     world->new_group(world->all_ranks(), c10::kCPU)->barrier().wait();
     if (ctx.rank() == 0) {
@@ -210,15 +211,7 @@ TEST(RendezvousTest, RanksWhoseWorldsLiveUntilExitExitQuietly) {
   fsdp::testing::DistributedTestOptions options;
   options.world_size = 4;
   const auto outcomes = fsdp::testing::run_distributed_collect(options, [](RankContext& ctx) {
-    const auto& store = ctx.world()->store();
-    if (ctx.rank() == 0) store_set(store, "exit_test/port", std::to_string(free_port()));
-    const std::string port = store_get(store, "exit_test/port");
-    setenv("MASTER_ADDR", "127.0.0.1", 1);
-    setenv("MASTER_PORT", port.c_str(), 1);
-    setenv("RANK", std::to_string(ctx.rank()).c_str(), 1);
-    setenv("WORLD_SIZE", "4", 1);
-    setenv("LOCAL_RANK", std::to_string(ctx.rank()).c_str(), 1);
-    setenv("LOCAL_WORLD_SIZE", "4", 1);
+    set_torchrun_env(ctx, "exit_test/port");
     // Kept by the process, never destroyed.
     static auto* const kept = new std::shared_ptr<World>(World::from_env());
     (*kept)->new_group((*kept)->all_ranks(), c10::kCPU)->barrier().wait();
@@ -245,13 +238,7 @@ TEST(RendezvousTest, RanksWhoseWorldsLiveUntilExitExitQuietly) {
 // its rank's watchdog had stopped.
 TEST(RendezvousTest, AChildForkedFromARankExitsWithoutTouchingItsWatchdog) {
   fsdp::testing::run_distributed(2, [](RankContext& ctx) {
-    const auto& store = ctx.world()->store();
-    if (ctx.rank() == 0) store_set(store, "fork_test/port", std::to_string(free_port()));
-    const std::string port = store_get(store, "fork_test/port");
-    setenv("MASTER_ADDR", "127.0.0.1", 1);
-    setenv("MASTER_PORT", port.c_str(), 1);
-    setenv("RANK", std::to_string(ctx.rank()).c_str(), 1);
-    setenv("WORLD_SIZE", "2", 1);
+    set_torchrun_env(ctx, "fork_test/port");
     static auto* const kept = new std::shared_ptr<World>(World::from_env());
     (*kept)->new_group((*kept)->all_ranks(), c10::kCPU)->barrier().wait();
     std::fflush(stdout);
